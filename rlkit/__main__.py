@@ -1,0 +1,3 @@
+from rlkit.train import main
+
+main()

@@ -1,0 +1,160 @@
+"""Typed config schemas (registered with Hydra's ConfigStore) and checks that run before any
+model is built. Each field is documented once, here."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 16   # P: prompts (groups) per RL step
+    group_size: int = 8          # G: completions sampled per prompt
+    max_new_tokens: int = 24     # generation budget per completion
+    temperature: float = 1.0     # sampling temperature (log-probs use the same temperature)
+    top_p: float = 1.0           # nucleus sampling mass
+
+
+@dataclass
+class LossConfig:
+    eps_low: float = 0.2             # clip ratio below at 1 - eps_low
+    eps_high: float = 0.2            # clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)
+    dual_clip: Optional[float] = None  # c > 1 caps a negative-advantage token's loss at -c*A
+    beta: float = 0.0                # KL coefficient; 0 builds no reference model
+    kl_estimator: str = "k3"         # k1 | k2 | k3
+    kl_placement: str = "loss"       # loss (GRPO) | reward (PPO, RLOO)
+    entropy_coef: float = 0.0        # entropy bonus coefficient
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4                 # AdamW learning rate of the policy
+    weight_decay: float = 0.0        # AdamW weight decay
+    beta1: float = 0.9               # AdamW beta1
+    beta2: float = 0.99              # AdamW beta2
+    max_grad_norm: float = 1.0       # gradient clipping (global norm)
+    epochs: int = 1                  # passes over each rollout
+    mini_batches: int = 1            # optimizer steps per pass (split by groups)
+    micro_batch_size: int = 0        # rows per forward/backward (gradient accumulation); 0 = whole mini-batch
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 300                 # supervised steps on task demonstrations before RL; 0 skips
+    batch_size: int = 64             # demonstrations per step
+    lr: float = 3e-3                 # AdamW learning rate of the warm start
+    seed: int = 0                    # fixed across RL seeds, so seeds share one starting policy
+    cache_dir: str = "${oc.env:RLKIT_CACHE,'~/.cache/rlkit'}/warm_start"  # cached by config hash
+
+
+@dataclass
+class EvalConfig:
+    every: int = 25                  # evaluate every k RL steps (and before the first and after the last)
+    batch_size: int = 256            # prompts per greedy generation batch
+    max_new_tokens: int = 0          # 0 = rollout.max_new_tokens
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 50                  # write a checkpoint every k steps (and at the end); 0 = only at the end
+    keep: int = 2                    # newest checkpoints kept
+    resume: bool = True              # continue from the run directory's last checkpoint if there is one
+
+
+@dataclass
+class RLKitConfig:
+    advantage: Any = None            # advantage estimator (group `advantage`)
+    aggregator: Any = None           # loss aggregator (group `aggregator`)
+    sampler: Any = None              # prompt sampler (group `sampler`)
+    task: Any = None                 # task: data and reward (group `task`)
+    model: Any = None                # policy model (group `model`)
+    logger: Any = None               # metrics sink (group `logger`)
+    seed: int = 0                    # seed of the RL run
+    steps: int = 200                 # RL steps
+    device: str = "cpu"              # torch device
+    threads: int = 0                 # torch CPU threads; 0 = torch's default
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+ConfigStore.instance().store(name="rlkit_schema", node=RLKitConfig)
+
+GROUPS = ("advantage", "aggregator", "sampler", "task", "model", "logger")
+
+
+def build(cfg: DictConfig, key: str, **runtime) -> Any:
+    """Instantiate the component at `key`; a wrong argument name is reported with its key."""
+    node = cfg[key]
+    if node is None or "_target_" not in node:
+        raise ConfigError(f"'{key}' needs a _target_ naming a class")
+    try:
+        target = get_class(node._target_)
+    except Exception as e:
+        raise ConfigError(f"{key}._target_={node._target_!r} cannot be imported: {e}") from e
+    params = inspect.signature(target).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        allowed = [n for n in params if n != "self"]
+        for k in node:
+            if not str(k).startswith("_") and k not in params:
+                raise ConfigError(f"{key}.{k} is not an option of {node._target_} (options: {allowed})")
+    try:
+        obj = instantiate(node)
+        return obj(**runtime) if node.get("_partial_", False) else obj
+    except Exception as e:
+        cause = e.__cause__ or e
+        raise ConfigError(f"{key}: {type(cause).__name__}: {cause}") from e
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every check that needs no model: runs before anything expensive."""
+    r, lo, op = cfg.rollout, cfg.loss, cfg.optim
+    _check(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
+    _check(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
+    _check(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
+    _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+    _check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    _check(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
+    _check(op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}")
+    _check(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")
+    _check(1 <= op.mini_batches <= r.prompts_per_step,
+           f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}")
+    _check(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
+    _check(0 <= lo.eps_low < 1, f"loss.eps_low must be in [0, 1), got {lo.eps_low}")
+    _check(lo.eps_high >= 0, f"loss.eps_high must be >= 0, got {lo.eps_high}")
+    _check(lo.dual_clip is None or lo.dual_clip > 1, f"loss.dual_clip must be > 1 or null, got {lo.dual_clip}")
+    _check(lo.beta >= 0, f"loss.beta must be >= 0, got {lo.beta}")
+    _check(lo.kl_estimator in ("k1", "k2", "k3"), f"loss.kl_estimator must be one of k1, k2, k3, got {lo.kl_estimator!r}")
+    _check(lo.kl_placement in ("loss", "reward"), f"loss.kl_placement must be 'loss' or 'reward', got {lo.kl_placement!r}")
+    _check(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
+    _check(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
+    _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
+    for g in GROUPS:
+        _check(cfg[g] is not None, f"no option chosen for group '{g}'")
+    estimator = build(cfg, "advantage")
+    need = getattr(estimator, "min_group_size", 1)
+    _check(r.group_size >= need, f"advantage={OmegaConf.select(cfg, 'advantage._target_')} needs "
+           f"rollout.group_size >= {need}, got {r.group_size}")
+    build(cfg, "aggregator")
+
+
+def resolved(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)

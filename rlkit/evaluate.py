@@ -1,0 +1,25 @@
+"""Greedy evaluation on the held-out split."""
+from __future__ import annotations
+
+import torch
+
+from rlkit.rollout import generate
+
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, task, batch_size: int, max_new_tokens: int) -> dict:
+    """Greedy accuracy (reward > 0) and mean completion length (tokens) of correct and incorrect answers."""
+    was_training = policy.training
+    policy.eval()
+    correct, lengths = [], []
+    split = task.eval
+    for start in range(0, len(split), batch_size):
+        rows = [split[i] for i in range(start, min(start + batch_size, len(split)))]
+        _, _, ids, mask, _ = generate(policy, tokenizer, [r["prompt"] for r in rows], max_new_tokens, temperature=0)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        correct.append(task.score(rows, texts) > 0)  # [n]
+        lengths.append(mask.sum(-1).float())  # [n]
+    policy.train(was_training)
+    ok, lens = torch.cat(correct), torch.cat(lengths)  # [E]
+    mean = lambda x: float(x.mean()) if x.numel() else 0.0  # noqa: E731
+    return {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok])}

@@ -1,0 +1,37 @@
+"""Per-step rollout statistics (what the variant studies compare)."""
+from __future__ import annotations
+
+import torch
+
+from rlkit.rollout import Rollout
+
+
+def _mean(x: torch.Tensor) -> float:
+    return float(x.float().mean()) if x.numel() else 0.0
+
+
+def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
+    """Reward, group, length and advantage statistics of one rollout; adv is [N, Tc]."""
+    if r.rewards.numel() == 0:
+        return {"train/num_rows": 0}
+    rewards = r.rewards.float()  # [N]
+    groups = rewards.view(-1, r.group_size)  # [P, G]
+    lengths = r.lengths.float()  # [N]
+    correct = rewards > 0  # [N]
+    mask = r.completion_mask.bool()  # [N, Tc]
+    seq_adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
+    return {
+        "train/reward": _mean(rewards),
+        "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "train/frac_zero_std_groups": _mean((groups == groups[:, :1]).all(1)),
+        "train/frac_all_correct_groups": _mean((groups > 0).all(1)),
+        "train/frac_all_wrong_groups": _mean((groups <= 0).all(1)),
+        "train/completion_len": _mean(lengths),
+        "train/len_correct": _mean(lengths[correct]),
+        "train/len_incorrect": _mean(lengths[~correct]),
+        "train/truncated_frac": _mean(r.truncated),
+        "train/adv_mean": _mean(adv[mask]),
+        "train/adv_std": float(adv[mask].std()) if mask.sum() > 1 else 0.0,
+        "train/frac_zero_adv_groups": _mean((seq_adv.view(-1, r.group_size) == 0).all(1)),
+        "train/num_rows": int(rewards.numel()),
+    }

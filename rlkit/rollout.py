@@ -1,0 +1,157 @@
+"""Generation and log-probs: the one place where the policy is run forward.
+
+A `Rollout` holds P prompt groups of G completions each (N = P*G rows, group i is rows
+i*G..(i+1)*G-1): left-padded prompts, right-padded completions and their masks.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor       # [N, Tp] left-padded
+    prompt_mask: torch.Tensor      # [N, Tp] 1 on prompt tokens
+    completion_ids: torch.Tensor   # [N, Tc] right-padded
+    completion_mask: torch.Tensor  # [N, Tc] 1 on completion tokens, EOS included
+    truncated: torch.Tensor        # [N] bool, no EOS within the budget
+    group_size: int                # G
+    rows: list = field(default_factory=list)   # N dataset rows (row i belongs to completion i)
+    texts: list = field(default_factory=list)  # N decoded completions
+    rewards: torch.Tensor | None = None        # [N]
+    kl_penalty: torch.Tensor | None = None     # [N, Tc] beta * KL when the KL is placed in the reward
+
+    @property
+    def num_groups(self) -> int:
+        return self.prompt_ids.shape[0] // self.group_size
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)  # [N]
+
+    def select_rows(self, idx: torch.Tensor) -> "Rollout":
+        """The rows `idx` (tensors indexed, lists picked); whole groups keep group bookkeeping valid."""
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                kw[f.name] = v[idx]
+            elif isinstance(v, list):
+                kw[f.name] = [v[i] for i in idx.tolist()]
+        return replace(self, **kw)
+
+    def select_groups(self, groups: torch.Tensor) -> "Rollout":
+        """Keep whole groups, by group index."""
+        G = self.group_size
+        return self.select_rows((groups[:, None] * G + torch.arange(G)).reshape(-1))  # [len(groups)*G]
+
+    @staticmethod
+    def cat(parts: list["Rollout"]) -> "Rollout":
+        """Concatenate rollouts of the same group size, re-padding prompts left and completions right."""
+        if len(parts) == 1:
+            return parts[0]
+        first, kw = parts[0], {}
+        for f in fields(first):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name in ("prompt_ids", "prompt_mask"):
+                kw[f.name] = pad_cat(vals, left=True)
+            elif isinstance(vals[0], torch.Tensor) and vals[0].dim() == 2:
+                kw[f.name] = pad_cat(vals, left=False)
+            elif isinstance(vals[0], torch.Tensor):
+                kw[f.name] = torch.cat(vals)
+            elif isinstance(vals[0], list):
+                kw[f.name] = [x for v in vals for x in v]
+        return replace(first, **kw)
+
+
+def pad_cat(tensors: list[torch.Tensor], left: bool, value: int = 0) -> torch.Tensor:
+    width = max(t.shape[1] for t in tensors)
+    padded = [F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value) for t in tensors]
+    return torch.cat(padded)  # [sum N, width]
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    return enc["input_ids"], enc["attention_mask"]  # [n, Tp] each
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)  # [N, S]
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)  # [N]
+    probs = torch.softmax(logits / temperature, -1)  # [N, V]
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)  # [N, V]
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # [N, V] keep the smallest prefix with mass >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1).squeeze(-1)  # [N]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one completion per prompt with a KV cache; each row stops at its EOS.
+    temperature 0 is greedy. Returns prompt ids and mask [N, Tp], completion ids and mask [N, Tc],
+    truncated [N]."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [N, Tp]
+    N = prompt_ids.shape[0]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    cache = DynamicCache()
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    mask = prompt_mask
+    pos = _positions(mask)  # [N, Tp]
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                logits_to_keep=1, **{cache_kw: cache})
+    next_pos = pos[:, -1:] + 1  # [N, 1]
+    done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
+    tokens, alive = [], []
+    for _ in range(max_new_tokens):
+        tok = _sample(out.logits[:, -1].float(), temperature, top_p)  # [N]
+        alive.append(~done)
+        tokens.append(torch.where(done, pad, tok))
+        done = done | (tok == eos)
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # [N, S+1]
+        out = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=next_pos,
+                    use_cache=True, **{cache_kw: cache})
+        next_pos = next_pos + 1
+    completion_ids = torch.stack(tokens, 1)  # [N, Tc]
+    completion_mask = torch.stack(alive, 1).long()  # [N, Tc]
+    return prompt_ids, prompt_mask, completion_ids, completion_mask, ~done
+
+
+def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the completion tokens (and the policy's entropy there), computing logits only
+    at completion positions and never materialising a full-vocabulary log-softmax.
+    Returns logp [N, Tc] and entropy [N, Tc] or None."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)  # [N, S]
+    mask = torch.cat([prompt_mask, completion_mask], 1)  # [N, S]
+    Tc = completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+                   logits_to_keep=Tc + 1).logits[:, :-1].float()  # [N, Tc, V]
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    lse = logits.logsumexp(-1)  # [N, Tc]
+    logp = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - lse  # [N, Tc]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # [N, Tc]
+    return logp, entropy
+
+
+def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, with_entropy: bool = False):
+    return token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                          temperature, with_entropy)

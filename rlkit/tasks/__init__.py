@@ -1,0 +1,1 @@
+"""Tasks: prompts, reference answers and rewards, one task per file."""

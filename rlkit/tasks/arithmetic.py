@@ -1,0 +1,84 @@
+"""Built-in testbed: sums of small numbers, answered directly or with worked steps.
+
+Prompt ``"3+14+5="``; a completion is either the answer alone (``"22"``) or worked partial
+sums, one step per ``;``, then the answer (``"3+14=17;17+5=22;22"``). The two formats give
+completions of different lengths, so length effects between variants are visible.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+from datasets import Dataset
+
+from rlkit.tasks.base import Task
+
+_STEP = re.compile(r"^(\d+)\+(\d+)=(\d+)$")
+ALPHABET = "0123456789+=;"
+
+
+def _parse_int(text: str) -> int | None:
+    return int(text) if text.isdigit() and len(text) <= 6 else None
+
+
+class Arithmetic(Task):
+    """Sums of `min_terms`..`max_terms` integers in [0, `max_operand`]; reward 1 for the right
+    final answer, 0 for a wrong or malformed one."""
+
+    alphabet = ALPHABET
+
+    def __init__(self, n_train: int = 4000, n_eval: int = 256, min_terms: int = 2, max_terms: int = 3,
+                 max_operand: int = 30, seed: int = 1234, worked_fraction: float = 0.5):
+        if n_train < 1 or n_eval < 1:
+            raise ValueError("task.n_train and task.n_eval must be >= 1")
+        if not 2 <= min_terms <= max_terms:
+            raise ValueError("task.min_terms and task.max_terms need 2 <= min_terms <= max_terms")
+        self.worked_fraction = worked_fraction
+        rng = random.Random(seed)
+
+        def draw() -> dict:
+            terms = [rng.randint(0, max_operand) for _ in range(rng.randint(min_terms, max_terms))]
+            return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms))}
+
+        eval_rows = {}
+        while len(eval_rows) < n_eval:  # distinct held-out prompts
+            row = draw()
+            eval_rows[row["prompt"]] = row
+        train_rows = []
+        while len(train_rows) < n_train:  # held-out prompts never appear in training
+            row = draw()
+            if row["prompt"] not in eval_rows:
+                train_rows.append(row)
+        self.train = Dataset.from_list(train_rows)
+        self.eval = Dataset.from_list(list(eval_rows.values()))
+
+    @staticmethod
+    def terms(row: dict) -> list[int]:
+        return [int(t) for t in row["prompt"].rstrip("=").split("+")]
+
+    def demonstration(self, row: dict, rng: random.Random) -> str:
+        """A correct completion for supervised warm start, worked or direct."""
+        terms = self.terms(row)
+        if rng.random() >= self.worked_fraction:
+            return row["answer"]
+        steps, acc = [], terms[0]
+        for t in terms[1:]:
+            steps.append(f"{acc}+{t}={acc + t}")
+            acc += t
+        return ";".join(steps + [str(acc)])
+
+    def reward(self, row: dict, completion: str) -> float:
+        final = completion.split(";")[-1]
+        return float(_parse_int(final) == int(row["answer"]))
+
+    def step_rewards(self, row: dict, completion: str) -> list[tuple[int, float]]:
+        """Each worked step 'a+b=c;' scores 1 if its sum is right, then the final answer scores
+        1 if right; (end index, reward) per step."""
+        out, pos = [], 0
+        parts = completion.split(";")
+        for part in parts[:-1]:
+            pos += len(part) + 1
+            m = _STEP.match(part)
+            out.append((pos, float(bool(m) and int(m[1]) + int(m[2]) == int(m[3]))))
+        out.append((len(completion), self.reward(row, completion)))
+        return out
