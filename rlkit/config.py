@@ -37,7 +37,8 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-4                 # AdamW learning rate of the policy
+    lr: float = 1e-4                 # AdamW learning rate of the policy
+    warmup_steps: int = 10           # linear learning-rate warm-up over the first RL steps
     weight_decay: float = 0.0        # AdamW weight decay
     beta1: float = 0.9               # AdamW beta1
     beta2: float = 0.99              # AdamW beta2
@@ -49,7 +50,7 @@ class OptimConfig:
 
 @dataclass
 class WarmStartConfig:
-    steps: int = 300                 # supervised steps on task demonstrations before RL; 0 skips
+    steps: int = 120                 # supervised steps on task demonstrations before RL; 0 skips
     batch_size: int = 64             # demonstrations per step
     lr: float = 3e-3                 # AdamW learning rate of the warm start
     seed: int = 0                    # fixed across RL seeds, so seeds share one starting policy
@@ -133,6 +134,7 @@ def validate(cfg: DictConfig) -> None:
     _check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     _check(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
+    _check(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
     _check(op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}")
     _check(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")
     _check(1 <= op.mini_batches <= r.prompts_per_step,

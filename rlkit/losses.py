@@ -17,7 +17,7 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)  # [N, Tc]
     with torch.no_grad():
         info = {"clip_low": (ratio < 1 - eps_low) & (adv < 0), "clip_high": (ratio > 1 + eps_high) & (adv > 0),
-                "ratio": ratio}
+                "ratio": ratio.detach()}
     return loss, info
 
 

@@ -41,7 +41,7 @@ class Rollout:
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
                 kw[f.name] = v[idx]
-            elif isinstance(v, list):
+            elif isinstance(v, list) and v:
                 kw[f.name] = [v[i] for i in idx.tolist()]
         return replace(self, **kw)
 

@@ -68,6 +68,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     policy.to(device)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.loss.beta > 0 else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
     sampler = build(cfg, "sampler", dataset=task.train, batch_size=R.prompts_per_step, seed=cfg.seed)
     seed_everything(cfg.seed)
 
@@ -77,6 +78,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         state = checkpoint.load_state(last)
         policy.load_state_dict(type(policy).from_pretrained(last / "policy").state_dict())
         optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
         sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
         start = state["step"]
@@ -119,7 +121,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
             adv = advantage(rollout)  # [N, Tc]
             # 4. policy update: epochs x mini-batches, gradient accumulation over micro-batches
             policy.train()
-            stats = {"clip_low": 0.0, "clip_high": 0.0, "kl": 0.0, "entropy": 0.0, "loss": 0.0, "tokens": 0.0}
+            stats = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "kl": 0.0, "entropy": 0.0, "ratio_dev": 0.0, "loss": 0.0, "tokens": 0.0}
             grad_norms = []
             with timer("update"):
                 for _ in range(O.epochs):
@@ -137,15 +139,17 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
                             loss = (L * weights[micro]).sum()
                             loss.backward()
                             m = mask[idx]
-                            stats["loss"] += float(loss)
+                            stats["loss"] += float(loss.detach())
                             stats["tokens"] += float(m.sum())
-                            stats["clip_low"] += float((info["clip_low"] * m).sum())
-                            stats["clip_high"] += float((info["clip_high"] * m).sum())
+                            stats["clip_frac_low"] += float((info["clip_low"] * m).sum())
+                            stats["clip_frac_high"] += float((info["clip_high"] * m).sum())
+                            stats["ratio_dev"] += float(((info["ratio"] - 1).abs() * m).sum())
                             stats["entropy"] += float((entropy.detach() * m).sum())
                             if "kl" in info:
                                 stats["kl"] += float((info["kl"] * m).sum())
                         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), O.max_grad_norm)))
                         optimizer.step()
+                schedule.step()
         tokens = max(stats.pop("tokens"), 1.0)
         n_updates = O.epochs * O.mini_batches
         metrics.update(rollout_metrics(rollout, adv))
@@ -159,10 +163,10 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
             last_eval = evaluate(policy, tokenizer, task, **eval_kw)
             metrics.update(last_eval)
         logger.log(step, metrics)
-        bar.set_postfix(reward=f"{metrics['train/reward']:.2f}", acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
+        bar.set_postfix(reward=f"{metrics['train/reward']:.2f}", acc=f"{last_eval['eval/accuracy']:.2f}")
         if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
             checkpoint.save(run_dir, step, {"policy": policy}, tokenizer,
-                            {"optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+                            {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "sampler": sampler.state_dict(),
                              "first_eval": first_eval, "last_eval": last_eval, "run_id": logger.run_id}, keep=cfg.checkpoint.keep)
     logger.finish()
     summary = {"accuracy_before": first_eval["eval/accuracy"], "accuracy_after": last_eval["eval/accuracy"],

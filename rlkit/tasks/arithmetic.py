@@ -28,7 +28,7 @@ class Arithmetic(Task):
     alphabet = ALPHABET
 
     def __init__(self, n_train: int = 4000, n_eval: int = 256, min_terms: int = 2, max_terms: int = 3,
-                 max_operand: int = 30, seed: int = 1234, worked_fraction: float = 0.5):
+                 max_operand: int = 9, seed: int = 1234, worked_fraction: float = 0.5):
         if n_train < 1 or n_eval < 1:
             raise ValueError("task.n_train and task.n_eval must be >= 1")
         if not 2 <= min_terms <= max_terms:
@@ -40,6 +40,9 @@ class Arithmetic(Task):
             terms = [rng.randint(0, max_operand) for _ in range(rng.randint(min_terms, max_terms))]
             return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms))}
 
+        space = sum((max_operand + 1) ** k for k in range(min_terms, max_terms + 1))
+        if n_eval >= space:
+            raise ValueError(f"task.n_eval={n_eval} leaves no training prompts: only {space} distinct prompts exist")
         eval_rows = {}
         while len(eval_rows) < n_eval:  # distinct held-out prompts
             row = draw()

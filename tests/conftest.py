@@ -1,0 +1,31 @@
+"""Shared test helpers: real Hydra composition of the packaged config, and a tiny fast run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_module
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+# A run small enough for a test: 1-layer model, few prompts, short warm start.
+FAST = [
+    "steps=2", "threads=1", "logger=jsonl",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
+    "model.hidden_size=64", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+    "model.intermediate_size=64", "task.n_train=64", "task.n_eval=8",
+    "task.max_terms=2", "warm_start.steps=150", "warm_start.batch_size=32", "warm_start.lr=5e-3", "eval.every=1", "checkpoint.every=1",
+]
+
+
+def make_cfg(overrides: list[str] = (), cache_dir: str | None = None):
+    extra = [f"warm_start.cache_dir={cache_dir}"] if cache_dir else []
+    with initialize_config_module(config_module="rlkit.conf", version_base=None):
+        return compose(config_name="config", overrides=[*FAST, *extra, *overrides])
+
+
+@pytest.fixture
+def fast_cfg(tmp_path):
+    """Compose the packaged config with FAST overrides plus the given ones; warm start cached in tmp."""
+    return lambda *overrides: make_cfg(list(overrides), cache_dir=str(tmp_path / "cache"))
