@@ -11,8 +11,9 @@ from rlkit.rollout import Rollout
 
 
 def sequence_returns(r: Rollout) -> torch.Tensor:
-    """Outcome reward of each completion, less any KL penalty placed in the reward.  -> [N]"""
-    ret = r.rewards.float()  # [N]
+    """Outcome reward of each completion plus reward shaping, less any KL penalty placed in the
+    reward.  -> [N]"""
+    ret = r.rewards.float() + r.shaping.float()  # [N]
     if r.kl_penalty is not None:
         ret = ret - (r.kl_penalty * r.completion_mask).sum(-1)  # [N]
     return ret
@@ -53,3 +54,100 @@ class GRPO:
         std = rewards.std(1, unbiased=self.unbiased, keepdim=True)  # [P, 1]
         adv = torch.where(flat, diff, diff / (std + self.eps))  # [P, G]
         return per_token(adv, r)  # [N, Tc]
+
+
+class DrGRPO:
+    """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): A_i = r_i - mean_g r. Unlike GRPO there is
+    no std division, so low-variance (very easy or very hard) groups are not up-weighted; pair it
+    with `seq_mean_token_sum_norm` to also remove the length bias."""
+
+    min_group_size = 2
+    needs_critic = False
+
+    def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
+        return per_token(centred(grouped(r))[0], r)  # [N, Tc]
+
+
+class RLOO:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740): the baseline is the mean
+    of the other G-1 rewards, A_i = r_i - (sum_g r - r_i)/(G-1) = G/(G-1) (r_i - mean_g r).
+    Unlike GRPO, no std division; the baseline is unbiased because it excludes r_i."""
+
+    min_group_size = 2
+    needs_critic = False
+
+    def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
+        G = r.group_size
+        return per_token(centred(grouped(r))[0] * (G / (G - 1)), r)  # [N, Tc]
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    m = mask.bool()
+    mean, std = x[m].mean(), x[m].std() if m.sum() > 1 else x.new_tensor(1.0)
+    return torch.where(m, (x - mean) / (std + eps), torch.zeros_like(x))  # [N, Tc]
+
+
+class GAE:
+    """PPO with a learned critic and GAE (Schulman et al. 2016, arXiv 1506.02438; PPO arXiv
+    1707.06347). Unlike GRPO the baseline is a per-token value V_t, not a group statistic:
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_{s>=t} (gamma lam)^{s-t} delta_s; the outcome
+    reward sits on the last completion token; advantages are whitened over the batch; returns
+    A + V train the critic with a clipped value loss. Needs no groups (G = 1 works)."""
+
+    min_group_size = 1
+    needs_critic = True
+
+    def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, critic_lr: float = 1e-3,
+                 value_clip: float = 0.2):
+        self.gamma, self.lam, self.whiten = gamma, lam, whiten
+        self.critic_lr, self.value_clip = critic_lr, value_clip
+
+    def advantages_and_returns(self, r: Rollout, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = r.completion_mask.float()  # [N, Tc]
+        T = mask.shape[1]
+        values = values * mask  # [N, Tc] V beyond the end is 0
+        rewards = torch.zeros_like(mask)  # [N, Tc]
+        last = (r.lengths - 1).clamp(min=0)  # [N]
+        rewards[torch.arange(len(last)), last] = r.rewards.float() + r.shaping.float()
+        if r.kl_penalty is not None:
+            rewards = rewards - r.kl_penalty * mask
+        next_v = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # [N, Tc]
+        delta = (rewards + self.gamma * next_v - values) * mask  # [N, Tc]
+        t = torch.arange(T, dtype=mask.dtype)
+        gap = t[None, :] - t[:, None]  # [Tc, Tc] s - t
+        discount = torch.where(gap >= 0, (self.gamma * self.lam) ** gap.clamp(min=0), torch.zeros_like(gap))
+        adv = delta @ discount.T  # [N, Tc] A_t = sum_s (gamma lam)^(s-t) delta_s
+        returns = (adv + values) * mask  # [N, Tc]
+        return (masked_whiten(adv, mask) if self.whiten else adv * mask), returns
+
+    def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
+        if values is None:
+            raise ValueError("advantage=gae needs critic values")
+        return self.advantages_and_returns(r, values)[0]
+
+
+class ProcessSupervision:
+    """Process supervision (Shao et al. 2024, arXiv 2402.03300, section 4.1.3): each reasoning
+    step has a reward; all step rewards of a group are normalised by the group's mean and std,
+    and a token's advantage is the sum of the normalised rewards of the steps ending at or after
+    it. Unlike GRPO, tokens of one completion get different advantages."""
+
+    min_group_size = 2
+    needs_critic = False
+    needs_step_rewards = True
+
+    def __init__(self, eps: float = 1e-6):
+        self.eps = eps
+
+    def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
+        if r.step_rewards is None:
+            raise ValueError("advantage=process needs step rewards from the task")
+        G, (N, T) = r.group_size, r.step_rewards.shape
+        steps = r.step_mask.view(-1, G * T).float()  # [P, G*Tc] 1 where a step ends
+        raw = r.step_rewards.view(-1, G * T)  # [P, G*Tc]
+        count = steps.sum(1, keepdim=True).clamp(min=1)  # [P, 1]
+        mean = (raw * steps).sum(1, keepdim=True) / count  # [P, 1]
+        var = (((raw - mean) * steps) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)  # [P, 1] sample var
+        norm = torch.where(var > 0, (raw - mean) / (var.sqrt() + self.eps), torch.zeros_like(raw)) * steps
+        norm = norm.view(N, T)  # [N, Tc]
+        return norm.flip(-1).cumsum(-1).flip(-1) * r.completion_mask  # [N, Tc] sum over steps ending at or after t

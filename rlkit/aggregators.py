@@ -16,4 +16,36 @@ class SeqMeanTokenMean:
     def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
         mask = mask.float()  # [N, Tc]
         lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # [N, 1]
-        return mask / lengths / mask.shape[0]  # [N, Tc]
+        return mask / lengths / max(mask.shape[0], 1)  # [N, Tc]
+
+
+class TokenMean:
+    """DAPO (Yu et al. 2025, arXiv 2503.14476): sum of L over all completion tokens of the batch /
+    their number. Every token weighs the same, so long answers count in proportion to length."""
+
+    def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        mask = mask.float()  # [N, Tc]
+        return mask / mask.sum().clamp(min=1)  # [N, Tc]
+
+
+class SeqMeanTokenSum:
+    """Mean over sequences of sum_t L (no length normalisation at all)."""
+
+    def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        mask = mask.float()  # [N, Tc]
+        return mask / max(mask.shape[0], 1)  # [N, Tc]
+
+
+class SeqMeanTokenSumNorm:
+    """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): mean over sequences of sum_t L / C with a
+    constant C (the generation budget by default), so no answer's tokens are up- or down-weighted
+    by its length."""
+
+    def __init__(self, constant: float):
+        if constant <= 0:
+            raise ValueError(f"aggregator.constant must be > 0, got {constant}")
+        self.constant = constant
+
+    def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        mask = mask.float()  # [N, Tc]
+        return mask / self.constant / max(mask.shape[0], 1)  # [N, Tc]

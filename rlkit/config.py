@@ -36,6 +36,11 @@ class LossConfig:
 
 
 @dataclass
+class RewardConfig:
+    overlong_cache: int = 0          # DAPO soft overlong punishment over the last k tokens of the budget; 0 = off
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-4                 # AdamW learning rate of the policy
     warmup_steps: int = 10           # linear learning-rate warm-up over the first RL steps
@@ -85,6 +90,7 @@ class RLKitConfig:
     threads: int = 0                 # torch CPU threads; 0 = torch's default
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -146,6 +152,8 @@ def validate(cfg: DictConfig) -> None:
     _check(lo.beta >= 0, f"loss.beta must be >= 0, got {lo.beta}")
     _check(lo.kl_estimator in ("k1", "k2", "k3"), f"loss.kl_estimator must be one of k1, k2, k3, got {lo.kl_estimator!r}")
     _check(lo.kl_placement in ("loss", "reward"), f"loss.kl_placement must be 'loss' or 'reward', got {lo.kl_placement!r}")
+    _check(0 <= cfg.reward.overlong_cache <= r.max_new_tokens,
+           f"reward.overlong_cache must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {cfg.reward.overlong_cache}")
     _check(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
     _check(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")

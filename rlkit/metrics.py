@@ -35,3 +35,18 @@ def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
         "train/frac_zero_adv_groups": _mean((seq_adv.view(-1, r.group_size) == 0).all(1)),
         "train/num_rows": int(rewards.numel()),
     }
+
+
+def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict:
+    """Effective per-token weight (advantage x aggregator weight): summed over correct and over
+    incorrect completions, and its mean magnitude per token for short and long completions
+    (split at the median length). This is where GRPO's length bias shows."""
+    eff = adv * weights  # [N, Tc]
+    per_seq = eff.sum(-1)  # [N]
+    correct = r.rewards > 0  # [N]
+    lengths = r.lengths.float()  # [N]
+    short = lengths <= lengths.median()  # [N]
+    mask = r.completion_mask.bool()  # [N, Tc]
+    per_token = lambda rows: _mean(eff[rows][mask[rows]].abs())  # noqa: E731
+    return {"weight/correct_sum": float(per_seq[correct].sum()), "weight/incorrect_sum": float(per_seq[~correct].sum()),
+            "weight/short_token_mean": per_token(short), "weight/long_token_mean": per_token(~short)}

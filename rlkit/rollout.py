@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -24,7 +25,14 @@ class Rollout:
     rows: list = field(default_factory=list)   # N dataset rows (row i belongs to completion i)
     texts: list = field(default_factory=list)  # N decoded completions
     rewards: torch.Tensor | None = None        # [N]
+    shaping: torch.Tensor | None = None        # [N] reward shaping (e.g. overlong penalty), added to rewards
     kl_penalty: torch.Tensor | None = None     # [N, Tc] beta * KL when the KL is placed in the reward
+    step_rewards: torch.Tensor | None = None   # [N, Tc] reward of the step ending at each token (process)
+    step_mask: torch.Tensor | None = None      # [N, Tc] 1 where a step ends
+
+    def __post_init__(self):
+        if self.shaping is None and self.rewards is not None:
+            self.shaping = torch.zeros_like(self.rewards)
 
     @property
     def num_groups(self) -> int:
@@ -80,7 +88,7 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
     return enc["input_ids"], enc["attention_mask"]  # [n, Tp] each
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
+def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)  # [N, S]
 
 
@@ -109,7 +117,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     cache = DynamicCache()
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     mask = prompt_mask
-    pos = _positions(mask)  # [N, Tp]
+    pos = positions(mask)  # [N, Tp]
     out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 logits_to_keep=1, **{cache_kw: cache})
     next_pos = pos[:, -1:] + 1  # [N, 1]
@@ -139,7 +147,7 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     ids = torch.cat([prompt_ids, completion_ids], 1)  # [N, S]
     mask = torch.cat([prompt_mask, completion_mask], 1)  # [N, S]
     Tc = completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                    logits_to_keep=Tc + 1).logits[:, :-1].float()  # [N, Tc, V]
     if temperature not in (0, 1):
         logits = logits / temperature
@@ -155,3 +163,20 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, with_entropy: bool = False):
     return token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                           temperature, with_entropy)
+
+
+def step_reward_matrix(step_rewards: list[list[tuple[int, float]]], completion_ids: torch.Tensor,
+                       completion_mask: torch.Tensor, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Place each step's reward on the token where the step's text ends.
+    Returns rewards [N, Tc] and a step mask [N, Tc]."""
+    N, T = completion_ids.shape
+    rewards, mask = torch.zeros(N, T), torch.zeros(N, T, dtype=torch.bool)
+    lengths = completion_mask.sum(-1).tolist()
+    for i, (steps, ids) in enumerate(zip(step_rewards, completion_ids.tolist())):
+        pieces = tokenizer.batch_decode([[t] for t in ids[: lengths[i]]], skip_special_tokens=True)
+        ends = np.cumsum([len(p) for p in pieces])  # characters decoded up to each token
+        for end, reward in steps:
+            t = min(int(np.searchsorted(ends, end)), lengths[i] - 1)  # token holding the step's last character
+            rewards[i, t] += reward
+            mask[i, t] = True
+    return rewards.to(completion_ids.device), mask.to(completion_ids.device)

@@ -2,9 +2,11 @@
 `make_rollout(rows)` generates and scores G completions for each dataset row."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
+import torch
 from datasets import Dataset
 
 from rlkit.rollout import Rollout
@@ -37,3 +39,36 @@ class Uniform:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+def informative_groups(r: Rollout) -> torch.Tensor:
+    """Indices of groups whose task rewards are not all equal.  -> [k]"""
+    g = r.rewards.view(-1, r.group_size)  # [P, G]
+    return (~(g == g[:, :1]).all(1)).nonzero().squeeze(-1)
+
+
+class DynamicSampling(Uniform):
+    """DAPO dynamic sampling (Yu et al. 2025, arXiv 2503.14476): generate, drop groups whose
+    rewards are all equal (accuracy 0 or 1, zero advantage in every group estimator), and
+    generate again until P informative groups are kept or `max_gen_batches` batches were used;
+    then train on what was kept (possibly fewer than P, possibly none) and report it. Unlike the
+    uniform sampler, every trained group carries a gradient signal."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, seed: int = 0, max_gen_batches: int = 3,
+                 oversample: float = 1.0):
+        super().__init__(dataset, batch_size, seed)
+        if max_gen_batches < 1 or oversample <= 0:
+            raise ValueError("sampler.max_gen_batches must be >= 1 and sampler.oversample > 0")
+        self.max_gen_batches, self.gen_size = max_gen_batches, max(1, math.ceil(batch_size * oversample))
+
+    def sample(self, make_rollout: Callable[[list[dict]], Rollout]) -> tuple[Rollout, dict]:
+        kept, n_kept, generated, batches = [], 0, 0, 0
+        while n_kept < self.batch_size and batches < self.max_gen_batches:
+            r = make_rollout(self.next_rows(self.gen_size))
+            batches, generated = batches + 1, generated + r.num_groups
+            keep = informative_groups(r)[: self.batch_size - n_kept]
+            kept.append(r.select_groups(keep))
+            n_kept += len(keep)
+        stats = {"sampler/gen_batches": batches, "sampler/kept_groups": n_kept,
+                 "sampler/kept_frac": n_kept / max(generated, 1)}
+        return Rollout.cat(kept), stats

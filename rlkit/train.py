@@ -19,13 +19,14 @@ from transformers.utils import logging as hf_logging
 
 from rlkit import checkpoint
 from rlkit.config import ConfigError, build, resolved, validate
+from rlkit.critic import build_critic, explained_variance, token_values, value_loss
 from rlkit.evaluate import evaluate
-from rlkit.losses import PolicyLoss
-from rlkit.metrics import rollout_metrics
-from rlkit.rollout import Rollout, generate, rollout_logprobs
+from rlkit.losses import PolicyLoss, kl_estimate
+from rlkit.metrics import rollout_metrics, weight_metrics
+from rlkit.rewards import overlong_penalty
+from rlkit.rollout import Rollout, generate, rollout_logprobs, step_reward_matrix
 from rlkit.tasks.base import TaskError
 from rlkit.warm_start import warm_start
-
 
 hf_logging.disable_progress_bar()
 
@@ -49,36 +50,41 @@ def chunks(n: int, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def logprobs_no_grad(model, r: Rollout, rows: list[torch.Tensor], temperature: float) -> torch.Tensor:
-    return torch.cat([rollout_logprobs(model, r.select_rows(i), temperature)[0] for i in rows])  # [N, Tc]
+def no_grad_pass(fn, model, r: Rollout, rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([fn(model, r.select_rows(i)) for i in rows])  # [N, Tc]
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
     validate(cfg)  # every check that needs no model, before anything expensive
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    R, O = cfg.rollout, cfg.optim
+    R, O, LO = cfg.rollout, cfg.optim, cfg.loss
     device = torch.device(cfg.device)
     task = build(cfg, "task")
     task.check_splits()
     advantage, aggregator = build(cfg, "advantage"), build(cfg, "aggregator")
-    loss_fn = PolicyLoss(**cfg.loss)
+    loss_fn = PolicyLoss(**LO)
     policy, tokenizer = build(cfg, "model").build(task.alphabet, cfg.seed)
     warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)})
     policy.to(device)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.loss.beta > 0 else None
+    ref = copy.deepcopy(policy).eval().requires_grad_(False) if LO.beta > 0 else None
+    critic = build_critic(policy) if advantage.needs_critic else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=advantage.critic_lr) if critic is not None else None
     sampler = build(cfg, "sampler", dataset=task.train, batch_size=R.prompts_per_step, seed=cfg.seed)
     seed_everything(cfg.seed)
 
     start, state = 0, {}
     last = checkpoint.latest(run_dir) if cfg.checkpoint.resume else None
-    if last is not None:  # resume: weights, optimizer, sampler position, RNG, step
+    if last is not None:  # resume: weights, optimizers, sampler position, RNG, step
         state = checkpoint.load_state(last)
         policy.load_state_dict(type(policy).from_pretrained(last / "policy").state_dict())
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
+        if critic is not None:
+            critic.load_state_dict(type(critic).from_pretrained(last / "critic").state_dict())
+            critic_opt.load_state_dict(state["critic_optimizer"])
         sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
         start = state["step"]
@@ -90,7 +96,9 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     if start == 0:
         logger.log(0, first_eval)
     G, single_update = R.group_size, O.epochs == 1 and O.mini_batches == 1
+    kl_in_reward = ref is not None and LO.kl_placement == "reward"
     timer = Timer()
+    logp_fn = lambda model, r: rollout_logprobs(model, r, R.temperature)[0]  # noqa: E731
 
     def make_rollout(rows: list[dict]) -> Rollout:
         rows = [row for row in rows for _ in range(G)]  # N rows, each group contiguous
@@ -99,75 +107,105 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
                                                          R.max_new_tokens, R.temperature, R.top_p)
         with timer("score"):
             texts = tokenizer.batch_decode(cid, skip_special_tokens=True)
-            rewards = task.score(rows, texts).to(device)  # [N]
-        return Rollout(pid, pmask, cid, cmask, truncated, G, rows, texts, rewards)
+            r = Rollout(pid, pmask, cid, cmask, truncated, G, rows, texts, task.score(rows, texts).to(device))
+            if cfg.reward.overlong_cache:
+                r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, cfg.reward.overlong_cache)  # [N]
+            if getattr(advantage, "needs_step_rewards", False):
+                r.step_rewards, r.step_mask = step_reward_matrix(task.score_steps(rows, texts), cid, cmask, tokenizer)
+        return r
 
     t_start = time.perf_counter()
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="rlkit", file=sys.stderr)
     for step in bar:
         timer.clear()
         with timer("step"):
-            # 1. rollout: P prompts, G completions each, scored
+            # 1. rollout: P prompts, G completions each, scored (the sampler may generate more)
             policy.eval()
             rollout, metrics = sampler.sample(make_rollout)
             N = rollout.completion_ids.shape[0]
             mask = rollout.completion_mask.float()  # [N, Tc]
             rows_all = chunks(N, O.micro_batch_size)
-            # 2. log-probs needed before the update: reference (beta > 0), old (only if reused)
+            # 2. forwards needed before the update: reference (beta > 0), old log-probs (reused
+            #    rollout or KL in the reward), critic values
             with timer("logprob"):
-                ref_logp = logprobs_no_grad(ref, rollout, rows_all, R.temperature) if ref is not None else None
-                old_logp = None if single_update else logprobs_no_grad(policy, rollout, rows_all, R.temperature)
-            # 3. advantages
-            adv = advantage(rollout)  # [N, Tc]
+                ref_logp = no_grad_pass(logp_fn, ref, rollout, rows_all) if ref is not None and N else None
+                reuse_old = N and (not single_update or kl_in_reward)
+                old_logp = no_grad_pass(logp_fn, policy, rollout, rows_all) if reuse_old else None
+                old_values = no_grad_pass(token_values, critic, rollout, rows_all) if critic is not None and N else None
+            # 3. advantages (KL placed in the reward first, if so configured)
+            if kl_in_reward and N:
+                rollout.kl_penalty = LO.beta * kl_estimate(old_logp, ref_logp, LO.kl_estimator)  # [N, Tc]
+            if critic is not None and N:
+                adv, returns = advantage.advantages_and_returns(rollout, old_values)  # [N, Tc] each
+            else:
+                adv = advantage(rollout) if N else mask  # [N, Tc]
             # 4. policy update: epochs x mini-batches, gradient accumulation over micro-batches
             policy.train()
-            stats = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "kl": 0.0, "entropy": 0.0, "ratio_dev": 0.0, "loss": 0.0, "tokens": 0.0}
-            grad_norms = []
+            stats = dict.fromkeys(("clip_frac_low", "clip_frac_high", "kl", "entropy", "ratio_dev", "tokens"), 0.0)
+            losses, grad_norms, value_losses = [], [], []
             with timer("update"):
-                for _ in range(O.epochs):
+                for _ in range(O.epochs if N else 0):
                     groups = torch.randperm(rollout.num_groups) if O.mini_batches > 1 else torch.arange(rollout.num_groups)
                     for mb in groups.chunk(O.mini_batches):
                         mb_rows = (mb[:, None] * G + torch.arange(G)).reshape(-1)  # [n]
                         weights = aggregator.token_weights(mask[mb_rows])  # [n, Tc] normalised over the mini-batch
                         optimizer.zero_grad(set_to_none=True)
+                        total = 0.0
                         for micro in chunks(len(mb_rows), O.micro_batch_size):
                             idx = mb_rows[micro]  # [m]
                             logp, entropy = rollout_logprobs(policy, rollout.select_rows(idx), R.temperature, True)
-                            old = logp.detach() if single_update else old_logp[idx]  # [m, Tc]
+                            old = logp.detach() if old_logp is None else old_logp[idx]  # [m, Tc]
                             ref_i = ref_logp[idx] if ref_logp is not None else None
                             L, info = loss_fn(logp, old, adv[idx], ref_i, entropy)  # [m, Tc]
                             loss = (L * weights[micro]).sum()
                             loss.backward()
+                            total += float(loss.detach())
                             m = mask[idx]
-                            stats["loss"] += float(loss.detach())
+                            for k, v in (("clip_frac_low", info["clip_low"]), ("clip_frac_high", info["clip_high"]),
+                                         ("ratio_dev", (info["ratio"] - 1).abs()), ("entropy", entropy.detach()),
+                                         ("kl", info.get("kl", torch.zeros_like(m)))):
+                                stats[k] += float((v * m).sum())
                             stats["tokens"] += float(m.sum())
-                            stats["clip_frac_low"] += float((info["clip_low"] * m).sum())
-                            stats["clip_frac_high"] += float((info["clip_high"] * m).sum())
-                            stats["ratio_dev"] += float(((info["ratio"] - 1).abs() * m).sum())
-                            stats["entropy"] += float((entropy.detach() * m).sum())
-                            if "kl" in info:
-                                stats["kl"] += float((info["kl"] * m).sum())
+                        losses.append(total)
                         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), O.max_grad_norm)))
                         optimizer.step()
+                        if critic is not None:  # 5. critic update on the same mini-batch
+                            critic_opt.zero_grad(set_to_none=True)
+                            values = token_values(critic, rollout.select_rows(mb_rows))  # [n, Tc]
+                            vl = value_loss(values, old_values[mb_rows], returns[mb_rows], advantage.value_clip)
+                            vl = (vl * mask[mb_rows]).sum() / mask[mb_rows].sum().clamp(min=1)
+                            vl.backward()
+                            torch.nn.utils.clip_grad_norm_(critic.parameters(), O.max_grad_norm)
+                            critic_opt.step()
+                            value_losses.append(float(vl.detach()))
                 schedule.step()
         tokens = max(stats.pop("tokens"), 1.0)
-        n_updates = O.epochs * O.mini_batches
-        metrics.update(rollout_metrics(rollout, adv))
-        metrics.update({f"train/{k}": v / tokens for k, v in stats.items() if k != "loss"})
-        metrics.update({"train/loss": stats["loss"] / n_updates, "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                        **{f"time/{k}": v for k, v in timer.items()},
-                        "perf/tokens_per_s": float(mask.sum()) / timer["step"]})
+        if N:
+            metrics.update(rollout_metrics(rollout, adv))
+            metrics.update(weight_metrics(rollout, adv, aggregator.token_weights(mask)))
+            metrics.update({f"train/{k}": v / tokens for k, v in stats.items()})
+            metrics.update({"train/loss": sum(losses) / len(losses), "train/grad_norm": sum(grad_norms) / len(grad_norms)})
+        else:
+            metrics["train/skipped_empty_batch"] = 1
         if ref is None:
-            metrics.pop("train/kl")
+            metrics.pop("train/kl", None)
+        if critic is not None and N:
+            metrics.update({"train/value_loss": sum(value_losses) / len(value_losses),
+                            "train/explained_variance": explained_variance(old_values, returns, mask)})
+        metrics.update({f"time/{k}": v for k, v in timer.items()})
+        metrics["perf/tokens_per_s"] = float(mask.sum()) / timer["step"]
         if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
             last_eval = evaluate(policy, tokenizer, task, **eval_kw)
             metrics.update(last_eval)
         logger.log(step, metrics)
-        bar.set_postfix(reward=f"{metrics['train/reward']:.2f}", acc=f"{last_eval['eval/accuracy']:.2f}")
+        bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{last_eval['eval/accuracy']:.2f}")
         if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-            checkpoint.save(run_dir, step, {"policy": policy}, tokenizer,
-                            {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "sampler": sampler.state_dict(),
-                             "first_eval": first_eval, "last_eval": last_eval, "run_id": logger.run_id}, keep=cfg.checkpoint.keep)
+            models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
+            extra = {"critic_optimizer": critic_opt.state_dict()} if critic is not None else {}
+            checkpoint.save(run_dir, step, models, tokenizer,
+                            {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), **extra,
+                             "sampler": sampler.state_dict(), "first_eval": first_eval, "last_eval": last_eval,
+                             "run_id": logger.run_id}, keep=cfg.checkpoint.keep)
     logger.finish()
     summary = {"accuracy_before": first_eval["eval/accuracy"], "accuracy_after": last_eval["eval/accuracy"],
                "steps": cfg.steps, "wall_s": round(time.perf_counter() - t_start, 1)}

@@ -18,6 +18,11 @@ class Task:
     train: Dataset
     eval: Dataset
 
+    @property
+    def alphabet(self) -> str:
+        """Characters of the training data (for a character tokenizer)."""
+        return "".join(sorted(set("".join(self.train["prompt"] + self.train["answer"]))))
+
     def reward(self, row: dict, completion: str) -> float:
         raise NotImplementedError
 
@@ -40,15 +45,25 @@ class Task:
 
     def score(self, rows: list[dict], completions: list[str]) -> torch.Tensor:
         """Rewards for N completions; rows[i] is completion i's dataset row.  -> [N]"""
-        out = []
-        for i, (row, text) in enumerate(zip(rows, completions)):
-            try:
-                r = self.reward(row, text)
-            except Exception as e:  # name the row, never score 0 silently
-                raise TaskError(f"reward function raised on row {i} (prompt {row['prompt']!r}, "
-                                f"completion {text!r}): {type(e).__name__}: {e}") from e
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-                raise TaskError(f"reward function returned {r!r} for row {i} (prompt {row['prompt']!r}, "
-                                f"completion {text!r}); expected a finite number")
-            out.append(float(r))
-        return torch.tensor(out)  # [N]
+        return torch.tensor([_checked(self.reward, i, row, text) for i, (row, text) in enumerate(zip(rows, completions))])
+
+    def score_steps(self, rows: list[dict], completions: list[str]) -> list[list[tuple[int, float]]]:
+        """(end character, reward) of each step of each completion, checked like `score`."""
+        return [_checked(self.step_rewards, i, row, text) for i, (row, text) in enumerate(zip(rows, completions))]
+
+
+def _finite(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _checked(fn, i: int, row: dict, text: str):
+    """Call a reward function; an exception or a non-finite result names the row and completion."""
+    where = f"row {i} (prompt {row.get('prompt')!r}, completion {text!r})"
+    try:
+        out = fn(row, text)
+    except Exception as e:  # never score 0 silently
+        raise TaskError(f"reward function raised on {where}: {type(e).__name__}: {e}") from e
+    values = [r for _, r in out] if isinstance(out, list) else [out]
+    if not all(_finite(v) for v in values):
+        raise TaskError(f"reward function returned {out!r} for {where}; expected a finite number")
+    return out if isinstance(out, list) else float(out)
