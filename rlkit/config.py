@@ -102,15 +102,19 @@ ConfigStore.instance().store(name="rlkit_schema", node=RLKitConfig)
 GROUPS = ("advantage", "aggregator", "sampler", "task", "model", "logger")
 
 
-def build(cfg: DictConfig, key: str, **runtime) -> Any:
-    """Instantiate the component at `key`; a wrong argument name is reported with its key."""
+def target_class(cfg: DictConfig, key: str) -> type:
     node = cfg[key]
     if node is None or "_target_" not in node:
         raise ConfigError(f"'{key}' needs a _target_ naming a class")
     try:
-        target = get_class(node._target_)
+        return get_class(node._target_)
     except Exception as e:
         raise ConfigError(f"{key}._target_={node._target_!r} cannot be imported: {e}") from e
+
+
+def build(cfg: DictConfig, key: str, **runtime) -> Any:
+    """Instantiate the component at `key`; a wrong argument name is reported with its key."""
+    node, target = cfg[key], target_class(cfg, key)
     params = inspect.signature(target).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         allowed = [n for n in params if n != "self"]
@@ -159,10 +163,10 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:
         _check(cfg[g] is not None, f"no option chosen for group '{g}'")
-    estimator = build(cfg, "advantage")
-    need = getattr(estimator, "min_group_size", 1)
-    _check(r.group_size >= need, f"advantage={OmegaConf.select(cfg, 'advantage._target_')} needs "
-           f"rollout.group_size >= {need}, got {r.group_size}")
+    for g in ("advantage", "sampler"):  # components that need groups say so with `min_group_size`
+        need = getattr(target_class(cfg, g), "min_group_size", 1)
+        _check(r.group_size >= need, f"{g}={cfg[g]._target_} needs rollout.group_size >= {need}, got {r.group_size}")
+    build(cfg, "advantage")
     build(cfg, "aggregator")
 
 

@@ -54,6 +54,8 @@ class DynamicSampling(Uniform):
     then train on what was kept (possibly fewer than P, possibly none) and report it. Unlike the
     uniform sampler, every trained group carries a gradient signal."""
 
+    min_group_size = 2  # a group of one never has differing rewards
+
     def __init__(self, dataset: Dataset, batch_size: int, seed: int = 0, max_gen_batches: int = 3,
                  oversample: float = 1.0):
         super().__init__(dataset, batch_size, seed)

@@ -6,16 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from rlkit.advantages import GRPO
-from rlkit.rollout import Rollout
-
-
-def rollout(rewards, G, lengths=None, T=4):
-    N = len(rewards)
-    lengths = lengths or [T] * N
-    mask = torch.tensor([[1] * l + [0] * (T - l) for l in lengths])  # [N, T]
-    z = torch.zeros(N, 1, dtype=torch.long)
-    return Rollout(z, z + 1, torch.zeros(N, T, dtype=torch.long), mask, torch.zeros(N, dtype=torch.bool), G,
-                   rewards=torch.tensor(rewards, dtype=torch.float))
+from helpers import make_rollout as rollout
 
 
 def seq(adv):  # first token's advantage of each row

@@ -1,0 +1,1 @@
+"""An rlkit plugin package: one advantage estimator and its config, found by Hydra."""

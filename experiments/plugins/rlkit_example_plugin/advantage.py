@@ -1,0 +1,19 @@
+"""REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262) as an rlkit plugin."""
+import torch
+
+from rlkit.advantages import centred, grouped, per_token
+
+
+class ReinforcePPBaseline:
+    """Subtract the group mean, then divide by the std of the whole batch (not of the group as
+    GRPO does), so low-variance groups are not up-weighted."""
+
+    min_group_size = 2
+    needs_critic = False
+
+    def __init__(self, eps: float = 1e-6):
+        self.eps = eps
+
+    def __call__(self, rollout, values=None) -> torch.Tensor:
+        diff, _ = centred(grouped(rollout))  # [P, G]
+        return per_token(diff / (diff.std() + self.eps), rollout)  # [N, Tc]
