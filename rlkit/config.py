@@ -50,7 +50,9 @@ class OptimConfig:
     max_grad_norm: float = 1.0       # gradient clipping (global norm)
     epochs: int = 1                  # passes over each rollout
     mini_batches: int = 1            # optimizer steps per pass (split by groups)
-    micro_batch_size: int = 0        # rows per forward/backward (gradient accumulation); 0 = whole mini-batch
+    micro_batch_size: int = 0        # rows per forward/backward (gradient accumulation); 0 = whole mini-batch.
+                                     # Need not divide the batch: weights are global, the gradient is the same
+    max_nonfinite: int = 3           # stop after this many updates in a row skipped for NaN/inf
 
 
 @dataclass
@@ -149,6 +151,7 @@ def validate(cfg: DictConfig) -> None:
     _check(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")
     _check(1 <= op.mini_batches <= r.prompts_per_step,
            f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}")
+    _check(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
     _check(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
     _check(0 <= lo.eps_low < 1, f"loss.eps_low must be in [0, 1), got {lo.eps_low}")
     _check(lo.eps_high >= 0, f"loss.eps_high must be >= 0, got {lo.eps_high}")

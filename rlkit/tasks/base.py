@@ -21,7 +21,7 @@ class Task:
     @property
     def alphabet(self) -> str:
         """Characters of the training data (for a character tokenizer)."""
-        return "".join(sorted(set("".join(self.train["prompt"] + self.train["answer"]))))
+        return "".join(sorted(set("".join(list(self.train["prompt"]) + list(self.train["answer"])))))
 
     def reward(self, row: dict, completion: str) -> float:
         raise NotImplementedError

@@ -1,0 +1,103 @@
+"""Run safety: preemption signals, non-finite updates, checks on the run's inputs and outputs."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+from rlkit.config import ConfigError
+
+EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED = 2, 3, 75  # 75: EX_TEMPFAIL, "try again"
+
+
+class Preempted(Exception):
+    """SIGTERM or SIGINT arrived; a checkpoint was written and rerunning the command resumes."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many non-finite updates in a row."""
+
+
+class StopSignals:
+    """Records SIGTERM/SIGINT instead of dying mid-step; the loop checks `received` after each step."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+class NonFiniteGuard:
+    """Counts updates skipped for a NaN or inf loss, advantage or gradient norm; too many in a row stop the run."""
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row, self.in_a_row, self.total = max_in_a_row, 0, 0
+
+    def record(self, skipped: bool, step: int) -> None:
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        self.total += skipped
+        if self.in_a_row >= self.max_in_a_row:
+            raise NonFiniteError(f"{self.in_a_row} non-finite updates in a row (last at step {step}); stopping. "
+                                 "The last checkpoint holds the last good state (optim.max_nonfinite sets the limit)")
+
+
+def finite(*xs) -> bool:
+    return all(bool(torch.isfinite(torch.as_tensor(x)).all()) for x in xs)
+
+
+def all_finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def check_writable(path: str | Path, key: str) -> None:
+    """Create `path` and write a probe file there, or fail naming the key."""
+    path = Path(os.path.expanduser(str(path)))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".rlkit_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key}: directory {path} is not writable ({e.strerror or e})") from e
+
+
+def check_context(tokenizer, model, splits: dict, max_new_tokens: int) -> None:
+    """Every prompt plus the generation budget must fit the model's context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for name, split in splits.items():
+        lengths = [len(ids) for ids in tokenizer(list(split["prompt"]))["input_ids"]]
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        if lengths[i] + max_new_tokens > limit:
+            raise ConfigError(f"task.{name} row {i} has a prompt of {lengths[i]} tokens; with "
+                              f"rollout.max_new_tokens={max_new_tokens} it exceeds the model's context of {limit}")
+
+
+RESUME_KEYS = ("seed", "advantage", "aggregator", "sampler", "task", "model", "rollout", "loss", "reward", "optim",
+               "warm_start")
+
+
+def check_resume(saved: dict | None, now: dict, path) -> None:
+    """A checkpoint resumes only the run that wrote it: the keys that shape training must match."""
+    if saved is None:
+        return
+    diff = [k for k in RESUME_KEYS if saved.get(k) != now.get(k)]
+    if diff:
+        raise ConfigError(f"the checkpoint {path} was written with different {', '.join(diff)}; "
+                          "use a new hydra.run.dir or checkpoint.resume=false to start over")
