@@ -10,6 +10,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from rlkit.tasks.base import TaskError
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
@@ -128,6 +130,8 @@ def build(cfg: DictConfig, key: str, **runtime) -> Any:
         return obj(**runtime) if node.get("_partial_", False) else obj
     except Exception as e:
         cause = e.__cause__ or e
+        if isinstance(cause, (ConfigError, TaskError)):
+            raise cause from None
         raise ConfigError(f"{key}: {type(cause).__name__}: {cause}") from e
 
 

@@ -26,6 +26,11 @@ class TinyQwen2:
 
     def __init__(self, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
                  num_kv_heads: int = 2, intermediate_size: int = 384, max_position_embeddings: int = 128):
+        if min(hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings) < 1:
+            raise ValueError("model sizes must all be >= 1")
+        if hidden_size % num_heads or (hidden_size // num_heads) % 2 or num_heads % num_kv_heads:
+            raise ValueError(f"model.hidden_size={hidden_size} must split into model.num_heads={num_heads} heads of "
+                             f"even size, and num_heads must be a multiple of model.num_kv_heads={num_kv_heads}")
         self.kwargs = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
                            num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
                            max_position_embeddings=max_position_embeddings)

@@ -12,3 +12,26 @@ def make_rollout(rewards, G, lengths=None, T=4, shaping=None):
     return Rollout(z, z + 1, torch.zeros(N, T, dtype=torch.long), mask, torch.zeros(N, dtype=torch.bool), G,
                    rewards=torch.tensor(rewards, dtype=torch.float),
                    shaping=None if shaping is None else torch.tensor(shaping, dtype=torch.float))
+
+
+class NaNOnCalls:
+    """GRPO whose advantages are NaN on the given (1-based) calls: plants a non-finite update.
+    Loaded through `advantage._target_`, like any plugin."""
+
+    min_group_size = 2
+    needs_critic = False
+
+    def __init__(self, std: str = "sample", eps: float = 1e-6, calls: tuple = (2,)):
+        from rlkit.advantages import GRPO
+        self.inner, self.calls, self.n = GRPO(std, eps), set(calls), 0
+
+    def __call__(self, rollout, values=None):
+        self.n += 1
+        adv = self.inner(rollout)
+        return adv * float("nan") if self.n in self.calls else adv
+
+
+def raising_reward(row, completion):
+    if completion.startswith("1"):
+        raise KeyError("boom")
+    return 0.0
