@@ -2,6 +2,7 @@
 model is built. Each field is documented once, here."""
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -91,7 +92,8 @@ class RLKitConfig:
     seed: int = 0                    # seed of the RL run
     steps: int = 200                 # RL steps
     device: str = "cpu"              # torch device
-    threads: int = 0                 # torch CPU threads; 0 = torch's default
+    threads: int = 0                 # torch CPU threads; 0 = torch's default (in a parallel sweep: cores / jobs)
+    samples_every: int = 25          # log a table of sample completions every k steps (and at step 1); 0 = off
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -102,6 +104,16 @@ class RLKitConfig:
 
 
 ConfigStore.instance().store(name="rlkit_schema", node=RLKitConfig)
+
+
+def short_dirname(overrides: str, limit: int = 96) -> str:
+    """A sweep job's directory name from its overrides, cut with a hash when too long for a file name."""
+    if len(overrides) <= limit:
+        return overrides
+    return f"{overrides[:limit - 9]}-{hashlib.sha1(overrides.encode()).hexdigest()[:8]}"
+
+
+OmegaConf.register_new_resolver("rlkit_dirname", short_dirname, replace=True)
 
 GROUPS = ("advantage", "aggregator", "sampler", "task", "model", "logger")
 
@@ -166,6 +178,7 @@ def validate(cfg: DictConfig) -> None:
     _check(0 <= cfg.reward.overlong_cache <= r.max_new_tokens,
            f"reward.overlong_cache must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {cfg.reward.overlong_cache}")
     _check(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
+    _check(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
     _check(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:

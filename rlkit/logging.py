@@ -8,27 +8,34 @@ import sys
 from pathlib import Path
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
-class JsonlLogger:
-    """One JSON line per step in `<run_dir>/metrics.jsonl`."""
+def _truncate(path: Path, step: int) -> None:
+    """Drop lines past `step` (a resumed run rewrites them)."""
+    if path.exists():
+        keep = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= step]
+        path.write_text("".join(l + "\n" for l in keep))
 
-    def __init__(self, run_dir: str, run_config: dict, resume_step: int = 0, run_id: str | None = None):
+
+class JsonlLogger:
+    """One JSON line per step in `<run_dir>/metrics.jsonl`, sample completions in `samples.jsonl`.
+    `run_info` holds the chosen config options (`choices`) and, in a sweep, the sweep's name."""
+
+    def __init__(self, run_dir: str, run_config: dict, resume_step: int = 0, run_id: str | None = None,
+                 run_info: dict | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step and self.path.exists():  # drop lines past the checkpoint we resume from
-            keep = [l for l in self.path.read_text().splitlines() if l and json.loads(l)["step"] <= resume_step]
-            self.path.write_text("".join(l + "\n" for l in keep))
-        elif not resume_step:
-            self.path.write_text("")
+        for p in (self.path, self.samples_path):
+            _truncate(p, resume_step) if resume_step else p.write_text("")
         self.run_id = None
 
     def log(self, step: int, metrics: dict) -> None:
@@ -36,27 +43,37 @@ class JsonlLogger:
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
 
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        with self.samples_path.open("a") as f:
+            f.write(json.dumps({"step": step, "samples": samples}) + "\n")
+
     def finish(self) -> None:
         pass
 
 
 class WandbLogger(JsonlLogger):
-    """Also logs to wandb: offline unless WANDB_MODE or `mode` says otherwise. If wandb cannot
-    start, training goes on with metrics.jsonl and says so once."""
+    """Also logs to wandb: offline unless WANDB_MODE or `mode` says otherwise. The config goes up
+    flattened with the chosen option of each group (`algo`, `advantage`, ...) as its own key; in a
+    sweep the group defaults to the sweep's name and the run's name to its overrides; tags name
+    the chosen options. If wandb cannot start, training goes on and says so once."""
 
     def __init__(self, run_dir: str, run_config: dict, resume_step: int = 0, project: str = "rlkit",
                  mode: str | None = None, group: str | None = None, tags: list | None = None,
-                 name: str | None = None, run_id: str | None = None):
+                 name: str | None = None, run_id: str | None = None, run_info: dict | None = None):
         super().__init__(run_dir, run_config, resume_step)
+        info = run_info or {}
+        choices = info.get("choices", {})
         self.run = None
         try:
+            os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self.run = wandb.init(project=project, dir=run_dir, config=_flatten(run_config),
-                                  mode=mode or os.environ.get("WANDB_MODE", "offline"), group=group,
-                                  tags=list(tags or []), name=name, id=run_id, resume="allow" if run_id else None,
-                                  reinit="finish_previous")
+            self.wandb = wandb
+            self.run = wandb.init(project=project, dir=run_dir, config={**flatten(run_config), **choices},
+                                  mode=mode or os.environ.get("WANDB_MODE", "offline"),
+                                  group=group or info.get("sweep"), name=name or info.get("name"),
+                                  tags=list(tags or []) + [f"{k}:{v}" for k, v in choices.items()],
+                                  id=run_id, resume="allow" if run_id else None, reinit="finish_previous")
             self.run_id = self.run.id
         except Exception as e:  # noqa: BLE001 - any wandb failure must not stop training
             print(f"rlkit: wandb could not start ({type(e).__name__}: {e}); logging to {self.path} only",
@@ -66,6 +83,13 @@ class WandbLogger(JsonlLogger):
         super().log(step, metrics)
         if self.run is not None:
             self.run.log(metrics, step=step)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        super().log_samples(step, samples)
+        if self.run is not None and samples:
+            cols = list(samples[0])
+            self.run.log({"samples": self.wandb.Table(columns=cols, data=[[s[c] for c in cols] for s in samples])},
+                         step=step)
 
     def finish(self) -> None:
         if self.run is not None:

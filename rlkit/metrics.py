@@ -50,3 +50,12 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
     per_token = lambda rows: _mean(eff[rows][mask[rows]].abs())  # noqa: E731
     return {"weight/correct_sum": float(per_seq[correct].sum()), "weight/incorrect_sum": float(per_seq[~correct].sum()),
             "weight/short_token_mean": per_token(short), "weight/long_token_mean": per_token(~short)}
+
+
+def samples(r: Rollout, adv: torch.Tensor, per_group: int = 2, groups: int = 8) -> list[dict]:
+    """A few completions with their rewards and mean advantages, for a table of samples."""
+    mask = r.completion_mask.bool()  # [N, Tc]
+    seq_adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
+    rows = [g * r.group_size + i for g in range(min(groups, r.num_groups)) for i in range(min(per_group, r.group_size))]
+    return [{"prompt": r.rows[i]["prompt"], "completion": r.texts[i], "reward": float(r.rewards[i] + r.shaping[i]),
+             "advantage": float(seq_adv[i])} for i in rows]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import sys
 import time
@@ -13,7 +14,8 @@ import hydra
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -24,7 +26,7 @@ from rlkit.evaluate import evaluate
 from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, NonFiniteError, NonFiniteGuard, Preempted,
                           StopSignals, all_finite, check_context, check_resume, check_writable, finite)
 from rlkit.losses import PolicyLoss, kl_estimate
-from rlkit.metrics import rollout_metrics, weight_metrics
+from rlkit.metrics import rollout_metrics, samples, weight_metrics
 from rlkit.rewards import overlong_penalty
 from rlkit.rollout import Rollout, generate, rollout_logprobs, step_reward_matrix
 from rlkit.tasks.base import TaskError
@@ -56,13 +58,16 @@ def no_grad_pass(fn, model, r: Rollout, rows: list[torch.Tensor]) -> torch.Tenso
     return torch.cat([fn(model, r.select_rows(i)) for i in rows])  # [N, Tc]
 
 
-def run(cfg: DictConfig, run_dir: str) -> dict:
+def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
+    """Train as `cfg` says, writing to `run_dir`; `run_info` carries the chosen options (`choices`)
+    and sweep name for the logger."""
+    run_info = run_info or {}
     validate(cfg)  # every check that needs no model, before anything expensive
     check_writable(run_dir, "hydra.run.dir")
     if cfg.warm_start.steps:
         check_writable(cfg.warm_start.cache_dir, "warm_start.cache_dir")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.threads or run_info.get("threads"):
+        torch.set_num_threads(cfg.threads or run_info["threads"])
     R, O, LO = cfg.rollout, cfg.optim, cfg.loss
     device = torch.device(cfg.device)
     task = build(cfg, "task")
@@ -96,7 +101,10 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
         checkpoint.set_rng_state(state["rng"])
         start = state["step"]
         print(f"rlkit: resuming from {last} (step {start})", file=sys.stderr)
-    logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=start, run_id=state.get("run_id"))
+    logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=start,
+                   run_id=state.get("run_id"), run_info=run_info)
+    Path(run_dir, "run.json").write_text(json.dumps({"choices": run_info.get("choices", {}), "config": resolved(cfg)},
+                                                    indent=1))
     eval_kw = dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens)
     first_eval = state.get("first_eval") or evaluate(policy, tokenizer, task, **eval_kw)
     last_eval = state.get("last_eval", first_eval)
@@ -231,6 +239,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
                 last_eval = evaluate(policy, tokenizer, task, **eval_kw)
                 metrics.update(last_eval)
             logger.log(step, metrics)
+            if cfg.samples_every and N and (step % cfg.samples_every == 0 or step == 1):
+                logger.log_samples(step, samples(rollout, adv, per_group=2))
             bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{last_eval['eval/accuracy']:.2f}")
             if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or stop.received:
                 path = save_checkpoint(step)
@@ -248,10 +258,23 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     return summary
 
 
+def hydra_run_info() -> dict:
+    """Chosen options, and in a sweep its name, this run's overrides and threads per parallel job."""
+    hc = HydraConfig.get()
+    info = {"choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None}}
+    if hc.mode == RunMode.MULTIRUN:
+        info.update(sweep=Path(hc.sweep.dir).name, name=hc.job.override_dirname or None)
+        jobs = OmegaConf.select(hc, "launcher.n_jobs")
+        if jobs is not None:  # parallel jobs share the cores
+            cores = os.cpu_count() or 1
+            info["threads"] = max(1, cores // (cores if jobs < 1 else min(jobs, cores)))
+    return info
+
+
 @hydra.main(version_base=None, config_path="pkg://rlkit.conf", config_name="config")
 def main(cfg: DictConfig) -> dict | None:
     try:
-        return run(cfg, HydraConfig.get().runtime.output_dir)
+        return run(cfg, HydraConfig.get().runtime.output_dir, hydra_run_info())
     except (ConfigError, TaskError) as e:
         print(f"rlkit: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

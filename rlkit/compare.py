@@ -1,0 +1,183 @@
+"""`rlkit-compare`: group run directories by config keys and write a Markdown table and PNG plots.
+
+    rlkit-compare multirun/2026-11-30/10-00-00 --by algo --metric eval/accuracy --threshold 0.4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond
+T95 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
+       2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555,
+       2.0518, 2.0484, 2.0452, 2.0423]
+
+
+@dataclass
+class Run:
+    name: str
+    keys: dict                                   # chosen options and flattened config
+    history: dict = field(default_factory=dict)  # metric -> list of (step, value)
+    wall_s: float | None = None
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of the 95% confidence interval (Student t) over seeds; nan for n < 2."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, (T95[n - 2] if n - 1 <= len(T95) else 1.96) * sd / math.sqrt(n)
+
+
+def load_runs(root: Path) -> list[Run]:
+    """Every directory under `root` holding run.json and metrics.jsonl."""
+    from rlkit.logging import flatten
+    runs = []
+    for info in sorted(root.rglob("run.json")):
+        d = info.parent
+        if not (d / "metrics.jsonl").exists():
+            continue
+        meta = json.loads(info.read_text())
+        run = Run(str(d.relative_to(root)) if d != root else d.name, {**flatten(meta["config"]), **meta["choices"]})
+        for line in (d / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    run.history.setdefault(k, []).append((row["step"], float(v)))
+        summary = d / "summary.json"
+        run.wall_s = json.loads(summary.read_text()).get("wall_s") if summary.exists() else \
+            sum(v for _, v in run.history.get("time/step", []))
+        runs.append(run)
+    return runs
+
+
+def load_wandb_runs(project: str) -> list[Run]:
+    """Runs of a wandb project ("entity/project") through wandb's public API (needs a server)."""
+    import wandb
+    runs = []
+    for r in wandb.Api().runs(project):
+        run = Run(r.name, {k: v for k, v in r.config.items()}, wall_s=r.summary.get("_runtime"))
+        for row in r.scan_history():
+            for k, v in row.items():
+                if not k.startswith("_") and isinstance(v, (int, float)):
+                    run.history.setdefault(k, []).append((row["_step"], float(v)))
+        runs.append(run)
+    return runs
+
+
+def group_runs(runs: list[Run], by: list[str]) -> dict[tuple, list[Run]]:
+    groups = defaultdict(list)
+    for run in runs:
+        missing = [k for k in by if k not in run.keys]
+        if missing:
+            raise SystemExit(f"rlkit-compare: run {run.name} has no key {missing[0]!r}; "
+                             f"choices and config keys are: {', '.join(sorted(run.keys))}")
+        groups[tuple(str(run.keys[k]) for k in by)].append(run)
+    return dict(sorted(groups.items()))
+
+
+def first_reaching(series: list[tuple[int, float]], threshold: float, lower: bool) -> int | None:
+    return next((s for s, v in series if (v <= threshold if lower else v >= threshold)), None)
+
+
+def fmt(mean: float, ci: float) -> str:
+    return f"{mean:.3f} ± {ci:.3f}" if not math.isnan(ci) else f"{mean:.3f}"
+
+
+def table(groups: dict, by: list[str], metrics: list[str], threshold: float | None, lower: set) -> str:
+    """One row per group: final and best of each metric (mean ± 95% CI over runs), steps to the
+    threshold of the first metric, wall time."""
+    head = [*by, "runs"]
+    for m in metrics:
+        head += [f"final {m}", f"best {m}"]
+    if threshold is not None:
+        head.append(f"steps to {metrics[0]} {'<=' if metrics[0] in lower else '>='} {threshold}")
+    head.append("wall time (s)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, runs in groups.items():
+        cells = [*key, str(len(runs))]
+        for m in metrics:
+            series = [r.history[m] for r in runs if r.history.get(m)]
+            if not series:
+                cells += ["n/a", "n/a"]
+                continue
+            best = min if m in lower else max
+            cells += [fmt(*mean_ci([s[-1][1] for s in series])), fmt(*mean_ci([best(v for _, v in s) for s in series]))]
+        if threshold is not None:
+            hits = [first_reaching(r.history.get(metrics[0], []), threshold, metrics[0] in lower) for r in runs]
+            reached = [h for h in hits if h is not None]
+            cells.append(f"{fmt(*mean_ci(reached))} ({len(reached)}/{len(runs)} runs)" if reached else f"never (0/{len(runs)})")
+        walls = [r.wall_s for r in runs if r.wall_s is not None]
+        cells.append(fmt(*mean_ci(walls)) if walls else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(groups: dict, by: list[str], metric: str, path: Path) -> None:
+    """Mean of `metric` over steps per group, with a shaded 95% band over runs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, runs in groups.items():
+        by_step = defaultdict(list)
+        for r in runs:
+            for s, v in r.history.get(metric, []):
+                by_step[s].append(v)
+        steps = sorted(s for s, vs in by_step.items() if len(vs) == len(runs))
+        if not steps:
+            continue
+        stats = [mean_ci(by_step[s]) for s in steps]
+        mean = [m for m, _ in stats]
+        ci = [0.0 if math.isnan(c) else c for _, c in stats]
+        label = ", ".join(f"{k}={v}" for k, v in zip(by, key))
+        ax.plot(steps, mean, label=f"{label} (n={len(runs)})")
+        ax.fill_between(steps, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)], alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlkit-compare", description=__doc__.split("\n")[0])
+    p.add_argument("paths", nargs="*", type=Path, help="run or sweep directories (searched for run.json)")
+    p.add_argument("--by", nargs="+", default=["algo"], help="choices (algo, advantage, ...) or config keys (loss.beta)")
+    p.add_argument("--metric", nargs="+", default=["eval/accuracy"], help="metrics to tabulate and plot")
+    p.add_argument("--threshold", type=float, help="report steps until the first metric reaches this value")
+    p.add_argument("--lower", nargs="*", default=[], help="metrics where lower is better")
+    p.add_argument("--out", type=Path, help="output directory (default: <first path>/compare)")
+    p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs from a wandb project instead of directories")
+    a = p.parse_args(argv)
+    if not a.paths and not a.wandb:
+        p.error("give run directories or --wandb ENTITY/PROJECT")
+    runs = load_wandb_runs(a.wandb) if a.wandb else [r for path in a.paths for r in load_runs(path)]
+    if not runs:
+        p.error(f"no runs (directories with run.json and metrics.jsonl) under {', '.join(map(str, a.paths))}")
+    groups = group_runs(runs, a.by)
+    out = a.out or (a.paths[0] / "compare" if a.paths else Path("compare"))
+    out.mkdir(parents=True, exist_ok=True)
+    md = table(groups, a.by, a.metric, a.threshold, set(a.lower))
+    images = []
+    for m in a.metric:
+        png = out / (m.replace("/", "_") + ".png")
+        plot(groups, a.by, m, png)
+        images.append(f"![{m}]({png.name})")
+    (out / "compare.md").write_text(f"# {len(runs)} runs by {', '.join(a.by)}\n\n{md}\n" + "\n".join(images) + "\n")
+    print(md)
+    print(f"wrote {out / 'compare.md'} and {len(images)} plot(s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Sweeps and comparison: Hydra multirun, launcher configs, wandb offline files, rlkit-compare."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+from matplotlib.image import imread
+
+from conftest import FAST, make_cfg
+from rlkit.compare import main as compare_main, mean_ci
+from rlkit.train import run
+from wandb_files import read_records
+
+
+def test_multirun_over_two_variants_writes_two_run_directories(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rlkit.train", "-m", "advantage=grpo,rloo", "seed=0", *FAST,
+                          f"warm_start.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.jsonl"))
+    assert [p.name[:16] for p in runs] == ["0_advantage=grpo", "1_advantage=rloo"]  # named by overrides
+    assert all(len(p.name) <= 98 for p in runs)  # long override lists are cut with a hash
+    for p, adv in zip(runs, ("grpo", "rloo")):
+        assert json.loads((p / "run.json").read_text())["choices"]["advantage"] == adv
+        assert [json.loads(l)["step"] for l in (p / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("launcher, target", [("joblib", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"),
+                                              ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")])
+def test_launcher_configs_compose(launcher, target):
+    with initialize_config_module(config_module="rlkit.conf", version_base=None):
+        cfg = compose("config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_ == target
+
+
+def test_experiment_compare_estimators_composes_and_runs_one_step(tmp_path):
+    cfg = make_cfg(["+experiment=compare_estimators", "steps=1"], cache_dir=str(tmp_path / "cache"))
+    with initialize_config_module(config_module="rlkit.conf", version_base=None):
+        hcfg = compose("config", overrides=["+experiment=compare_estimators"], return_hydra_config=True)
+    assert hcfg.hydra.sweeper.params.advantage == "grpo,dr_grpo,rloo,gae" and hcfg.eval.every == 20
+    assert "joblib" in hcfg.hydra.launcher._target_
+    assert run(cfg, str(tmp_path / "run"))["steps"] == 1
+
+
+def test_offline_wandb_run_holds_config_history_and_samples(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = make_cfg(["logger=wandb", "steps=3", "samples_every=2", "logger.group=study"], cache_dir=str(tmp_path / "c"))
+    run(cfg, str(tmp_path), {"choices": {"algo": "grpo", "advantage": "grpo"}})
+    [data] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    records = read_records(data)
+    updates = [r.run.config.update if r.HasField("run") else r.config.update for r in records
+               if r.HasField("run") or r.HasField("config")]
+    config = {i.key: json.loads(i.value_json) for u in updates for i in u}
+    assert config["advantage"] == "grpo" and config["loss.beta"] == 0.04 and config["rollout.group_size"] == 4
+    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.HasField("history")]
+    steps = [h["_step"] for h in history]
+    assert steps == [0, 1, 2, 3]
+    local = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [h["train/reward"] for h in history[1:]] == pytest.approx([l["train/reward"] for l in local[1:]])
+    assert [h["samples/nrows"] for h in history if "samples/nrows" in h] == [8, 8]  # steps 1 and 2, 4 groups x 2
+    [info] = [r.run for r in records if r.HasField("run")][:1]
+    assert info.run_group == "study" and "advantage:grpo" in list(info.tags)
+
+
+def test_wandb_failure_does_not_stop_training(tmp_path, capsys):
+    cfg = make_cfg(["logger=wandb", "logger.mode=bogus", "steps=1"], cache_dir=str(tmp_path / "c"))
+    assert run(cfg, str(tmp_path))["steps"] == 1
+    assert capsys.readouterr().err.count("wandb could not start") == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def write_run(root, name, choices, series, wall):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps({"choices": choices, "config": {"seed": 0, "loss": {"beta": 0.04}}}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "eval/accuracy": v}) + "\n" for s, v in series))
+    (d / "summary.json").write_text(json.dumps({"wall_s": wall}))
+
+
+def test_mean_ci_by_hand():
+    # mean 0.6, sample sd 0.1, t(2) = 4.3027 -> 4.3027 * 0.1 / sqrt(3) = 0.248417
+    m, ci = mean_ci([0.5, 0.7, 0.6])
+    assert m == pytest.approx(0.6) and ci == pytest.approx(0.248417, abs=1e-5)
+    assert math.isnan(mean_ci([0.3])[1])
+
+
+def test_compare_tables_and_plots(tmp_path, capsys):
+    write_run(tmp_path, "a0", {"algo": "grpo"}, [(0, 0.3), (10, 0.5), (20, 0.5)], 100)
+    write_run(tmp_path, "a1", {"algo": "grpo"}, [(0, 0.3), (10, 0.6), (20, 0.7)], 110)
+    write_run(tmp_path, "a2", {"algo": "grpo"}, [(0, 0.3), (10, 0.4), (20, 0.6)], 120)
+    write_run(tmp_path, "b0", {"algo": "rloo"}, [(0, 0.3), (10, 0.35), (20, 0.45)], 90)
+    assert compare_main([str(tmp_path), "--by", "algo", "--metric", "eval/accuracy", "--threshold", "0.5"]) == 0
+    md = (tmp_path / "compare" / "compare.md").read_text()
+    # grpo final [0.5, 0.7, 0.6] -> 0.600 ± 0.248; best [0.5, 0.7, 0.6] same; steps to 0.5: [10, 10, 20]
+    # -> mean 13.333, sd 5.7735, ci 4.3027*5.7735/sqrt(3) = 14.342; wall [100, 110, 120] -> 110 ± 24.842
+    assert "| grpo | 3 | 0.600 ± 0.248 | 0.600 ± 0.248 | 13.333 ± 14.342 (3/3 runs) | 110.000 ± 24.842 |" in md
+    assert "| rloo | 1 | 0.450 | 0.450 | never (0/1) | 90.000 |" in md
+    png = tmp_path / "compare" / "eval_accuracy.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and imread(png).shape[2] in (3, 4)
+    assert "grpo" in capsys.readouterr().out
+
+
+def test_compare_groups_by_config_keys_and_names_missing_ones(tmp_path):
+    write_run(tmp_path, "a0", {"algo": "grpo"}, [(0, 0.3), (10, 0.5)], 10)
+    assert compare_main([str(tmp_path), "--by", "loss.beta", "algo"]) == 0
+    assert "| 0.04 | grpo | 1 |" in (tmp_path / "compare" / "compare.md").read_text()
+    with pytest.raises(SystemExit, match="has no key 'advantage'.*algo"):
+        compare_main([str(tmp_path), "--by", "advantage"])
