@@ -113,7 +113,7 @@ class GAE:
             rewards = rewards - r.kl_penalty * mask
         next_v = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # [N, Tc]
         delta = (rewards + self.gamma * next_v - values) * mask  # [N, Tc]
-        t = torch.arange(T, dtype=mask.dtype)
+        t = torch.arange(T, dtype=mask.dtype, device=mask.device)
         gap = t[None, :] - t[:, None]  # [Tc, Tc] s - t
         discount = torch.where(gap >= 0, (self.gamma * self.lam) ** gap.clamp(min=0), torch.zeros_like(gap))
         adv = delta @ discount.T  # [N, Tc] A_t = sum_s (gamma lam)^(s-t) delta_s
