@@ -16,6 +16,7 @@ from wandb_files import read_records
 
 def test_multirun_over_two_variants_writes_two_run_directories(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rlkit.train", "-m", "advantage=grpo,rloo", "seed=0", *FAST,
+                          "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
                           f"warm_start.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
