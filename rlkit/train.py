@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import random
@@ -271,7 +272,16 @@ def hydra_run_info() -> dict:
     return info
 
 
-@hydra.main(version_base=None, config_path="pkg://rlkit.conf", config_name="config")
+def config_path() -> str:
+    """The installed configs (`rlkit.conf`), or the checkout's `conf/` when `rlkit` is imported
+    from a source tree that was not installed (for example `python -m rlkit.train` from the repo root
+    next to a non-editable install)."""
+    if importlib.util.find_spec("rlkit.conf") is not None:
+        return "pkg://rlkit.conf"
+    return str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(version_base=None, config_path=config_path(), config_name="config")
 def main(cfg: DictConfig) -> dict | None:
     try:
         return run(cfg, HydraConfig.get().runtime.output_dir, hydra_run_info())
