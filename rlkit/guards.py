@@ -97,7 +97,9 @@ def check_resume(saved: dict | None, now: dict, path) -> None:
     """A checkpoint resumes only the run that wrote it: the keys that shape training must match."""
     if saved is None:
         return
-    diff = [k for k in RESUME_KEYS if saved.get(k) != now.get(k)]
+    where = lambda cfg: {k: cfg.get(k) for k in RESUME_KEYS} | {  # noqa: E731 - the cache may move
+        "warm_start": {k: v for k, v in (cfg.get("warm_start") or {}).items() if k != "cache_dir"}}
+    diff = [k for k in RESUME_KEYS if where(saved)[k] != where(now)[k]]
     if diff:
         raise ConfigError(f"the checkpoint {path} was written with different {', '.join(diff)}; "
                           "use a new hydra.run.dir or checkpoint.resume=false to start over")

@@ -53,3 +53,14 @@ def test_resume_continues_from_the_last_checkpoint(fast_cfg, tmp_path):
     summary = run(fast_cfg("steps=4"), str(tmp_path))
     assert [l["step"] for l in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
     assert summary["steps"] == 4
+
+
+def test_resume_with_a_different_config_is_refused_naming_the_keys(fast_cfg, tmp_path):
+    from rlkit.config import ConfigError
+    import pytest
+    run(fast_cfg("steps=2"), str(tmp_path))
+    with pytest.raises(ConfigError, match="written with different model, loss"):
+        run(fast_cfg("steps=4", "model.hidden_size=32", "loss.beta=0.1"), str(tmp_path))
+    moved = fast_cfg("steps=3")
+    moved.warm_start.cache_dir = str(tmp_path / "elsewhere")  # the cache may move
+    assert run(moved, str(tmp_path))["steps"] == 3
