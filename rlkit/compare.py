@@ -138,8 +138,9 @@ def plot(groups: dict, by: list[str], metric: str, path: Path) -> None:
         mean = [m for m, _ in stats]
         ci = [0.0 if math.isnan(c) else c for _, c in stats]
         label = ", ".join(f"{k}={v}" for k, v in zip(by, key))
-        ax.plot(steps, mean, label=f"{label} (n={len(runs)})")
-        ax.fill_between(steps, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)], alpha=0.2)
+        [line] = ax.plot(steps, mean, label=f"{label} (n={len(runs)})")
+        ax.fill_between(steps, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)],
+                        color=line.get_color(), alpha=0.15)
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
