@@ -217,18 +217,20 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
                                 value_losses.append(float(vl.detach()))
                         if skipped:
                             break
-                    schedule.step()
+                    if grad_norms:  # the warm-up counts updates, not skipped steps
+                        schedule.step()
             tokens = max(stats.pop("tokens"), 1.0)
             if skipped:
                 metrics["train/nonfinite_skipped"] = 1
                 print(f"rlkit: step {step}: non-finite advantage, loss or gradient norm; update skipped", file=sys.stderr)
-            if N and not skipped:
+            if not N:
+                metrics["train/skipped_empty_batch"] = 1
+            else:
                 metrics.update(rollout_metrics(rollout, adv))
+            if N and not skipped:
                 metrics.update(weight_metrics(rollout, adv, aggregator.token_weights(mask)))
                 metrics.update({f"train/{k}": v / tokens for k, v in stats.items()})
                 metrics.update({"train/loss": sum(losses) / len(losses), "train/grad_norm": sum(grad_norms) / len(grad_norms)})
-            else:
-                metrics["train/skipped_empty_batch"] = 1
             if ref is None:
                 metrics.pop("train/kl", None)
             if critic is not None and value_losses:

@@ -87,6 +87,7 @@ def test_a_planted_nan_skips_that_update_only(tmp_path, cache):
     run(cfg, str(tmp_path))
     lines = metrics(tmp_path)
     assert lines[2].get("train/nonfinite_skipped") == 1 and "train/loss" not in lines[2]
+    assert "train/skipped_empty_batch" not in lines[2] and lines[2]["train/adv_mean"] == "nan"  # rollout still logged
     assert "train/nonfinite_skipped" not in lines[1] and "train/nonfinite_skipped" not in lines[3]
     w1, w2, w3 = (policy_weights(tmp_path, s) for s in (1, 2, 3))
     assert all(torch.equal(w1[k], w2[k]) for k in w1)  # step 2 changed nothing

@@ -93,3 +93,12 @@ def test_plugin_by_hydra_searchpath(tmp_path):
     out = cli(["advantage=sign", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"], tmp_path / "run", PYTHONPATH=str(pkg))
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])["train/num_rows"] == 4
+
+
+def test_dynamic_sampling_that_keeps_nothing_skips_the_update_without_crashing(tmp_path):
+    # an untrained policy gets every answer wrong: no group is informative
+    run(make_cfg(["sampler=dapo", "sampler.max_gen_batches=2", "warm_start.steps=0"]), str(tmp_path))
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [l["train/skipped_empty_batch"] for l in lines[1:]] == [1, 1]
+    assert [l["sampler/gen_batches"] for l in lines[1:]] == [2, 2]
+    assert (tmp_path / "checkpoints" / "step_000002" / "policy").exists()
