@@ -140,10 +140,10 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the completion tokens (and the policy's entropy there), computing logits only
-    at completion positions and never materialising a full-vocabulary log-softmax.
-    Returns logp [N, Tc] and entropy [N, Tc] or None."""
+                   entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the completion tokens, computing logits only at completion positions and
+    never materialising a full-vocabulary log-softmax. `entropy`: "none", "metric" (no gradient)
+    or "grad" (for an entropy bonus). Returns logp [N, Tc] and entropy [N, Tc] or None."""
     ids = torch.cat([prompt_ids, completion_ids], 1)  # [N, S]
     mask = torch.cat([prompt_mask, completion_mask], 1)  # [N, S]
     Tc = completion_ids.shape[1]
@@ -153,16 +153,15 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
         logits = logits / temperature
     lse = logits.logsumexp(-1)  # [N, Tc]
     logp = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - lse  # [N, Tc]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # [N, Tc]
-    return logp, entropy
+    if entropy == "none":
+        return logp, None
+    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+        return logp, lse - (torch.softmax(logits, -1) * logits).sum(-1)  # [N, Tc]
 
 
-def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, with_entropy: bool = False):
+def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none"):
     return token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                          temperature, with_entropy)
+                          temperature, entropy)
 
 
 def step_reward_matrix(step_rewards: list[list[tuple[int, float]]], completion_ids: torch.Tensor,

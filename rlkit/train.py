@@ -115,6 +115,7 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
     kl_in_reward = ref is not None and LO.kl_placement == "reward"
     timer, guard = Timer(), NonFiniteGuard(O.max_nonfinite)
     logp_fn = lambda model, r: rollout_logprobs(model, r, R.temperature)[0]  # noqa: E731
+    entropy_mode = "grad" if LO.entropy_coef else "metric"
 
     def make_rollout(rows: list[dict]) -> Rollout:
         rows = [row for row in rows for _ in range(G)]  # N rows, each group contiguous
@@ -182,7 +183,7 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
                             total = 0.0
                             for micro in chunks(len(mb_rows), O.micro_batch_size):
                                 idx = mb_rows[micro]  # [m]
-                                logp, entropy = rollout_logprobs(policy, rollout.select_rows(idx), R.temperature, True)
+                                logp, entropy = rollout_logprobs(policy, rollout.select_rows(idx), R.temperature, entropy_mode)
                                 old = logp.detach() if old_logp is None else old_logp[idx]  # [m, Tc]
                                 ref_i = ref_logp[idx] if ref_logp is not None else None
                                 L, info = loss_fn(logp, old, adv[idx], ref_i, entropy)  # [m, Tc]

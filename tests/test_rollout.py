@@ -47,7 +47,7 @@ def test_logprobs_match_log_softmax_of_unpadded_sequence(model_tok):
     model, tok = model_tok
     torch.manual_seed(1)
     pid, pmask, cid, cmask, _ = generate(model, tok, PROMPTS, max_new_tokens=5, temperature=0.7)
-    logp, ent = token_logprobs(model, pid, pmask, cid, cmask, temperature=0.7, with_entropy=True)  # [N, Tc]
+    logp, ent = token_logprobs(model, pid, pmask, cid, cmask, temperature=0.7, entropy="metric")  # [N, Tc]
     for i, p in enumerate(PROMPTS):
         n = int(cmask[i].sum())
         seq = torch.cat([tok(p, return_tensors="pt")["input_ids"][0], cid[i, :n]])[None]
@@ -96,3 +96,14 @@ def test_rollout_cat_and_select_groups(model_tok):
     # re-padding keeps each row's tokens
     ids, _ = encode_prompts(tok, PROMPTS[3:])
     assert kept.prompt_ids[0, -ids.shape[1]:].tolist() == ids[0].tolist()
+
+
+def test_entropy_carries_a_gradient_only_when_asked(model_tok):
+    model, tok = model_tok
+    pid, pmask, cid, cmask, _ = generate(model, tok, PROMPTS, max_new_tokens=4)
+    _, metric = token_logprobs(model, pid, pmask, cid, cmask, entropy="metric")
+    assert not metric.requires_grad
+    _, ent = token_logprobs(model, pid, pmask, cid, cmask, entropy="grad")
+    model.zero_grad()
+    (ent * cmask).sum().backward()  # an entropy bonus moves the weights
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())

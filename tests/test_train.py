@@ -64,3 +64,11 @@ def test_resume_with_a_different_config_is_refused_naming_the_keys(fast_cfg, tmp
     moved = fast_cfg("steps=3")
     moved.warm_start.cache_dir = str(tmp_path / "elsewhere")  # the cache may move
     assert run(moved, str(tmp_path))["steps"] == 3
+
+
+def test_entropy_bonus_changes_the_update(fast_cfg, tmp_path):
+    for name, coef in (("plain", 0.0), ("bonus", 0.5)):
+        run(fast_cfg("steps=1", "loss.beta=0", f"loss.entropy_coef={coef}"), str(tmp_path / name))
+    plain, bonus = (read_metrics(tmp_path / n)[1] for n in ("plain", "bonus"))
+    assert plain["train/reward"] == bonus["train/reward"]  # same rollout
+    assert plain["train/grad_norm"] != bonus["train/grad_norm"]
