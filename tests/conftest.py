@@ -21,9 +21,8 @@ FAST = [
 
 def make_cfg(overrides: list[str] = (), cache_dir: str | None = None):
     extra = [f"warm_start.cache_dir={cache_dir}"] if cache_dir else []
-    fast = FAST
-    if any(o.startswith("task=") for o in overrides):  # another task: drop the testbed's sizes
-        fast = [o for o in FAST if not o.startswith("task.")]
+    swapped = {o.split("=")[0] for o in overrides if o.split("=")[0] in ("task", "model")}
+    fast = [o for o in FAST if o.split(".")[0] not in swapped]  # another task or model: drop the testbed's sizes
     with initialize_config_module(config_module="rlkit.conf", version_base=None):
         return compose(config_name="config", overrides=[*fast, *extra, *overrides])
 

@@ -72,3 +72,16 @@ def test_entropy_bonus_changes_the_update(fast_cfg, tmp_path):
     plain, bonus = (read_metrics(tmp_path / n)[1] for n in ("plain", "bonus"))
     assert plain["train/reward"] == bonus["train/reward"]  # same rollout
     assert plain["train/grad_norm"] != bonus["train/grad_norm"]
+
+
+def test_pretrained_model_loads_from_a_path(fast_cfg, tmp_path):
+    """model=pretrained goes through from_pretrained on a directory the test writes."""
+    from rlkit.models import TinyQwen2
+    from rlkit.tasks.arithmetic import ALPHABET
+    model, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64).build(ALPHABET, 0)
+    model.save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    cfg = fast_cfg("model=pretrained", f"model.path={tmp_path / 'hf'}", "warm_start.steps=0", "steps=1")
+    summary = run(cfg, str(tmp_path / "run"))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "step_000001" / "policy")
+    assert summary["steps"] == 1 and reloaded.config.hidden_size == 32
