@@ -110,3 +110,11 @@ def test_compare_groups_by_config_keys_and_names_missing_ones(tmp_path):
     assert "| 0.04 | grpo | 1 |" in (tmp_path / "compare" / "compare.md").read_text()
     with pytest.raises(SystemExit, match="has no key 'advantage'.*algo"):
         compare_main([str(tmp_path), "--by", "advantage"])
+
+
+def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for steps in (2, 4):
+        run(make_cfg(["logger=wandb", f"steps={steps}"], cache_dir=str(tmp_path / "c")), str(tmp_path / "run"))
+    ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    assert len(ids) == 1  # one wandb run id across the stop and the resume
