@@ -113,8 +113,13 @@ def test_compare_groups_by_config_keys_and_names_missing_ones(tmp_path):
 
 
 def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    import torch
     monkeypatch.setenv("WANDB_MODE", "offline")
+    ids = []
     for steps in (2, 4):
-        run(make_cfg(["logger=wandb", f"steps={steps}"], cache_dir=str(tmp_path / "c")), str(tmp_path / "run"))
-    ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")}
-    assert len(ids) == 1  # one wandb run id across the stop and the resume
+        run(make_cfg(["logger=wandb", f"steps={steps}", "checkpoint.keep=5"], cache_dir=str(tmp_path / "c")),
+            str(tmp_path / "run"))
+        state = torch.load(tmp_path / "run" / "checkpoints" / f"step_{steps:06d}" / "trainer_state.pt", weights_only=False)
+        ids.append(state["run_id"])
+    assert ids[0] and ids[0] == ids[1]  # the resumed process logged to the same wandb run
+    assert {p.name.rsplit("-", 1)[1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")} == {ids[0]}
