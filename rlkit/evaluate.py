@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkit.metrics import mean_or_zero as mean
 from rlkit.rollout import generate
 
 
@@ -21,5 +22,4 @@ def evaluate(policy, tokenizer, task, batch_size: int, max_new_tokens: int) -> d
         lengths.append(mask.sum(-1).float())  # [n]
     policy.train(was_training)
     ok, lens = torch.cat(correct), torch.cat(lengths)  # [E]
-    mean = lambda x: float(x.mean()) if x.numel() else 0.0  # noqa: E731
     return {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok])}

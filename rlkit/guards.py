@@ -93,13 +93,18 @@ RESUME_KEYS = ("seed", "advantage", "aggregator", "sampler", "task", "model", "r
                "warm_start")
 
 
+def _training_key(cfg: dict, key: str):
+    value = cfg.get(key)
+    if key == "warm_start" and value:  # the cache may move
+        value = {k: v for k, v in value.items() if k != "cache_dir"}
+    return value
+
+
 def check_resume(saved: dict | None, now: dict, path) -> None:
     """A checkpoint resumes only the run that wrote it: the keys that shape training must match."""
     if saved is None:
         return
-    where = lambda cfg: {k: cfg.get(k) for k in RESUME_KEYS} | {  # noqa: E731 - the cache may move
-        "warm_start": {k: v for k, v in (cfg.get("warm_start") or {}).items() if k != "cache_dir"}}
-    diff = [k for k in RESUME_KEYS if where(saved)[k] != where(now)[k]]
+    diff = [k for k in RESUME_KEYS if _training_key(saved, k) != _training_key(now, k)]
     if diff:
         raise ConfigError(f"the checkpoint {path} was written with different {', '.join(diff)}; "
                           "use a new hydra.run.dir or checkpoint.resume=false to start over")

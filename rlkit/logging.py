@@ -35,7 +35,10 @@ class JsonlLogger:
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for p in (self.path, self.samples_path):
-            _truncate(p, resume_step) if resume_step else p.write_text("")
+            if resume_step:
+                _truncate(p, resume_step)
+            else:
+                p.write_text("")
         self.run_id = None
 
     def log(self, step: int, metrics: dict) -> None:

@@ -6,7 +6,7 @@ import torch
 from rlkit.rollout import Rollout
 
 
-def _mean(x: torch.Tensor) -> float:
+def mean_or_zero(x: torch.Tensor) -> float:
     return float(x.float().mean()) if x.numel() else 0.0
 
 
@@ -21,18 +21,18 @@ def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
     mask = r.completion_mask.bool()  # [N, Tc]
     seq_adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
     return {
-        "train/reward": _mean(rewards),
+        "train/reward": mean_or_zero(rewards),
         "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "train/frac_zero_std_groups": _mean((groups == groups[:, :1]).all(1)),
-        "train/frac_all_correct_groups": _mean((groups > 0).all(1)),
-        "train/frac_all_wrong_groups": _mean((groups <= 0).all(1)),
-        "train/completion_len": _mean(lengths),
-        "train/len_correct": _mean(lengths[correct]),
-        "train/len_incorrect": _mean(lengths[~correct]),
-        "train/truncated_frac": _mean(r.truncated),
-        "train/adv_mean": _mean(adv[mask]),
+        "train/frac_zero_std_groups": mean_or_zero((groups == groups[:, :1]).all(1)),
+        "train/frac_all_correct_groups": mean_or_zero((groups > 0).all(1)),
+        "train/frac_all_wrong_groups": mean_or_zero((groups <= 0).all(1)),
+        "train/completion_len": mean_or_zero(lengths),
+        "train/len_correct": mean_or_zero(lengths[correct]),
+        "train/len_incorrect": mean_or_zero(lengths[~correct]),
+        "train/truncated_frac": mean_or_zero(r.truncated),
+        "train/adv_mean": mean_or_zero(adv[mask]),
         "train/adv_std": float(adv[mask].std()) if mask.sum() > 1 else 0.0,
-        "train/frac_zero_adv_groups": _mean((seq_adv.view(-1, r.group_size) == 0).all(1)),
+        "train/frac_zero_adv_groups": mean_or_zero((seq_adv.view(-1, r.group_size) == 0).all(1)),
         "train/num_rows": int(rewards.numel()),
     }
 
@@ -47,7 +47,7 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
     lengths = r.lengths.float()  # [N]
     short = lengths <= lengths.median()  # [N]
     mask = r.completion_mask.bool()  # [N, Tc]
-    per_token = lambda rows: _mean(eff[rows][mask[rows]].abs())  # noqa: E731
+    per_token = lambda rows: mean_or_zero(eff[rows][mask[rows]].abs())  # noqa: E731
     return {"weight/correct_sum": float(per_seq[correct].sum()), "weight/incorrect_sum": float(per_seq[~correct].sum()),
             "weight/short_token_mean": per_token(short), "weight/long_token_mean": per_token(~short)}
 

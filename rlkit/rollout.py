@@ -53,10 +53,13 @@ class Rollout:
                 kw[f.name] = [v[i] for i in idx.tolist()]
         return replace(self, **kw)
 
+    def group_rows(self, groups: torch.Tensor) -> torch.Tensor:
+        """Row indices of the given groups.  [k] -> [k*G]"""
+        return (groups[:, None] * self.group_size + torch.arange(self.group_size)).reshape(-1)
+
     def select_groups(self, groups: torch.Tensor) -> "Rollout":
         """Keep whole groups, by group index."""
-        G = self.group_size
-        return self.select_rows((groups[:, None] * G + torch.arange(G)).reshape(-1))  # [len(groups)*G]
+        return self.select_rows(self.group_rows(groups))
 
     @staticmethod
     def cat(parts: list["Rollout"]) -> "Rollout":

@@ -177,7 +177,7 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
                     for _ in range(O.epochs if N and not skipped else 0):
                         groups = torch.randperm(rollout.num_groups) if O.mini_batches > 1 else torch.arange(rollout.num_groups)
                         for mb in groups.chunk(O.mini_batches):
-                            mb_rows = (mb[:, None] * G + torch.arange(G)).reshape(-1)  # [n]
+                            mb_rows = rollout.group_rows(mb)  # [n]
                             weights = aggregator.token_weights(mask[mb_rows])  # [n, Tc] normalised over the mini-batch
                             optimizer.zero_grad(set_to_none=True)
                             total = 0.0
