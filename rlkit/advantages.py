@@ -1,4 +1,6 @@
-"""Advantage estimators: `estimator(rollout, values=None) -> [N, Tc]` per-token advantages.
+"""Advantage estimators (config group `advantage`): `estimator(rollout, values=None)` returns
+per-token advantages [N, Tc], or (advantages, returns) when it trains a critic (protocol:
+`rlkit.components.AdvantageEstimator`).
 
 Group estimators read the outcome rewards as a [P, G] matrix (rows of a group are contiguous)
 and copy each completion's advantage to all its tokens.
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkit.components import AdvantageEstimator
 from rlkit.rollout import Rollout
 
 
@@ -36,45 +39,44 @@ def per_token(adv: torch.Tensor, r: Rollout) -> torch.Tensor:
     return adv.reshape(-1, 1) * r.completion_mask  # [N, Tc]
 
 
-class GRPO:
+class GRPO(AdvantageEstimator):
     """GRPO (Shao et al. 2024, arXiv 2402.03300): A_i = (r_i - mean_g r) / (std_g r + eps).
-    `std`: 'sample' (N-1, as TRL and verl) or 'population' (N). Groups with equal rewards get 0."""
+    `std`: 'sample' (N-1, as TRL and verl) or 'population' (N). Groups with equal rewards get 0.
+    `std_scope`: 'group' (the paper) or 'batch': divide by the std of all rewards in the batch
+    instead, keeping the group mean (arXiv 2508.08221), so easy and hard groups are not
+    up-weighted by their own small std."""
 
-    min_group_size = 2
-    needs_critic = False
-
-    def __init__(self, std: str = "sample", eps: float = 1e-6):
+    def __init__(self, std: str = "sample", eps: float = 1e-6, std_scope: str = "group"):
         if std not in ("sample", "population"):
             raise ValueError(f"advantage.std must be 'sample' or 'population', got {std!r}")
-        self.unbiased, self.eps = std == "sample", eps
+        if std_scope not in ("group", "batch"):
+            raise ValueError(f"advantage.std_scope must be 'group' or 'batch', got {std_scope!r}")
+        self.unbiased, self.eps, self.batch_std = std == "sample", eps, std_scope == "batch"
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
         rewards = grouped(r)  # [P, G]
         diff, flat = centred(rewards)  # [P, G]
-        std = rewards.std(1, unbiased=self.unbiased, keepdim=True)  # [P, 1]
+        if self.batch_std:
+            std = rewards.reshape(-1).std(unbiased=self.unbiased)  # []
+        else:
+            std = rewards.std(1, unbiased=self.unbiased, keepdim=True)  # [P, 1]
         adv = torch.where(flat, diff, diff / (std + self.eps))  # [P, G]
         return per_token(adv, r)  # [N, Tc]
 
 
-class DrGRPO:
+class DrGRPO(AdvantageEstimator):
     """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): A_i = r_i - mean_g r. Unlike GRPO there is
     no std division, so low-variance (very easy or very hard) groups are not up-weighted; pair it
     with `seq_mean_token_sum_norm` to also remove the length bias."""
-
-    min_group_size = 2
-    needs_critic = False
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
         return per_token(centred(grouped(r))[0], r)  # [N, Tc]
 
 
-class RLOO:
+class RLOO(AdvantageEstimator):
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740): the baseline is the mean
     of the other G-1 rewards, A_i = r_i - (sum_g r - r_i)/(G-1) = G/(G-1) (r_i - mean_g r).
     Unlike GRPO, no std division; the baseline is unbiased because it excludes r_i."""
-
-    min_group_size = 2
-    needs_critic = False
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
         G = r.group_size
@@ -87,22 +89,22 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return torch.where(m, (x - mean) / (std + eps), torch.zeros_like(x))  # [N, Tc]
 
 
-class GAE:
+class GAE(AdvantageEstimator):
     """PPO with a learned critic and GAE (Schulman et al. 2016, arXiv 1506.02438; PPO arXiv
     1707.06347). Unlike GRPO the baseline is a per-token value V_t, not a group statistic:
     delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_{s>=t} (gamma lam)^{s-t} delta_s; the outcome
     reward sits on the last completion token; advantages are whitened over the batch; returns
-    A + V train the critic with a clipped value loss. Needs no groups (G = 1 works)."""
+    A + V (before whitening) train the critic. Needs no groups (G = 1 works)."""
 
     min_group_size = 1
     needs_critic = True
 
-    def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, critic_lr: float = 1e-3,
-                 value_clip: float = 0.2):
+    def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
-        self.critic_lr, self.value_clip = critic_lr, value_clip
 
-    def advantages_and_returns(self, r: Rollout, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if values is None:
+            raise ValueError("advantage=gae needs critic values")
         mask = r.completion_mask.float()  # [N, Tc]
         T = mask.shape[1]
         values = values * mask  # [N, Tc] V beyond the end is 0
@@ -120,20 +122,13 @@ class GAE:
         returns = (adv + values) * mask  # [N, Tc]
         return (masked_whiten(adv, mask) if self.whiten else adv * mask), returns
 
-    def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
-        if values is None:
-            raise ValueError("advantage=gae needs critic values")
-        return self.advantages_and_returns(r, values)[0]
 
-
-class ProcessSupervision:
+class ProcessSupervision(AdvantageEstimator):
     """Process supervision (Shao et al. 2024, arXiv 2402.03300, section 4.1.3): each reasoning
     step has a reward; all step rewards of a group are normalised by the group's mean and std,
     and a token's advantage is the sum of the normalised rewards of the steps ending at or after
     it. Unlike GRPO, tokens of one completion get different advantages."""
 
-    min_group_size = 2
-    needs_critic = False
     needs_step_rewards = True
 
     def __init__(self, eps: float = 1e-6):

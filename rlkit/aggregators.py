@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from rlkit.components import Aggregator
 
-class SeqMeanTokenMean:
+
+class SeqMeanTokenMean(Aggregator):
     """GRPO paper (arXiv 2402.03300, Eq. 3): mean over sequences of sum_t L / |o_i|. A short
     answer's tokens weigh more than a long answer's (the length bias Dr. GRPO removes)."""
 
@@ -19,7 +21,7 @@ class SeqMeanTokenMean:
         return mask / lengths / max(mask.shape[0], 1)  # [N, Tc]
 
 
-class TokenMean:
+class TokenMean(Aggregator):
     """DAPO (Yu et al. 2025, arXiv 2503.14476): sum of L over all completion tokens of the batch /
     their number. Every token weighs the same, so long answers count in proportion to length."""
 
@@ -28,7 +30,7 @@ class TokenMean:
         return mask / mask.sum().clamp(min=1)  # [N, Tc]
 
 
-class SeqMeanTokenSum:
+class SeqMeanTokenSum(Aggregator):
     """Mean over sequences of sum_t L (no length normalisation at all)."""
 
     def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
@@ -36,7 +38,7 @@ class SeqMeanTokenSum:
         return mask / max(mask.shape[0], 1)  # [N, Tc]
 
 
-class SeqMeanTokenSumNorm:
+class SeqMeanTokenSumNorm(Aggregator):
     """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): mean over sequences of sum_t L / C with a
     constant C (the generation budget by default), so no answer's tokens are up- or down-weighted
     by its length."""

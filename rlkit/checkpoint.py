@@ -24,15 +24,15 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(run_dir: str | Path, step: int, models: dict, tokenizer, state: dict, keep: int = 2) -> Path:
-    """Write checkpoints/step_XXXXXX atomically; `models` maps a sub-folder name to a model
-    ('policy' is saved with the tokenizer)."""
+    """Write checkpoints/step_XXXXXX atomically; `models` maps a sub-folder name to a function that
+    saves into a directory ('policy' is saved with the tokenizer)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    for name, model in models.items():
-        model.save_pretrained(tmp / name)
+    for name, save_to in models.items():
+        save_to(tmp / name)
     tokenizer.save_pretrained(tmp / "policy")
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE)
     if final.exists():

@@ -11,6 +11,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, Sampler, check
 from rlkit.tasks.base import TaskError
 
 
@@ -25,17 +26,6 @@ class RolloutConfig:
     max_new_tokens: int = 24     # generation budget per completion
     temperature: float = 1.0     # sampling temperature (log-probs use the same temperature)
     top_p: float = 1.0           # nucleus sampling mass
-
-
-@dataclass
-class LossConfig:
-    eps_low: float = 0.2             # clip ratio below at 1 - eps_low
-    eps_high: float = 0.2            # clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)
-    dual_clip: Optional[float] = None  # c > 1 caps a negative-advantage token's loss at -c*A
-    beta: float = 0.0                # KL coefficient; 0 builds no reference model
-    kl_estimator: str = "k3"         # k1 | k2 | k3
-    kl_placement: str = "loss"       # loss (GRPO) | reward (PPO, RLOO)
-    entropy_coef: float = 0.0        # entropy bonus coefficient
 
 
 @dataclass
@@ -86,6 +76,9 @@ class RLKitConfig:
     advantage: Any = None            # advantage estimator (group `advantage`)
     aggregator: Any = None           # loss aggregator (group `aggregator`)
     sampler: Any = None              # prompt sampler (group `sampler`)
+    loss: Any = None                 # policy loss, with KL and entropy options (group `loss`)
+    critic: Any = None               # value model, built only when the estimator needs one (group `critic`)
+    engine: Any = None               # generation engine for training and evaluation (group `engine`)
     task: Any = None                 # task: data and reward (group `task`)
     model: Any = None                # policy model (group `model`)
     logger: Any = None               # metrics sink (group `logger`)
@@ -95,7 +88,6 @@ class RLKitConfig:
     threads: int = 0                 # torch CPU threads; 0 = torch's default (in a parallel sweep: cores / jobs)
     samples_every: int = 25          # log a table of sample completions every k steps (and at step 1); 0 = off
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -115,7 +107,12 @@ def short_dirname(overrides: str, limit: int = 96) -> str:
 
 OmegaConf.register_new_resolver("rlkit_dirname", short_dirname, replace=True)
 
-GROUPS = ("advantage", "aggregator", "sampler", "task", "model", "logger")
+GROUPS = ("advantage", "aggregator", "sampler", "loss", "engine", "task", "model", "logger")
+
+
+def chosen(cfg: DictConfig, key: str) -> bool:
+    """Whether an option with a `_target_` was chosen for the optional group `key` (e.g. critic=none: no)."""
+    return cfg[key] is not None and "_target_" in cfg[key]
 
 
 def target_class(cfg: DictConfig, key: str) -> type:
@@ -154,7 +151,7 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Every check that needs no model: runs before anything expensive."""
-    r, lo, op = cfg.rollout, cfg.loss, cfg.optim
+    r, op = cfg.rollout, cfg.optim
     _check(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
     _check(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
     _check(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
@@ -169,12 +166,6 @@ def validate(cfg: DictConfig) -> None:
            f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}")
     _check(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
     _check(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
-    _check(0 <= lo.eps_low < 1, f"loss.eps_low must be in [0, 1), got {lo.eps_low}")
-    _check(lo.eps_high >= 0, f"loss.eps_high must be >= 0, got {lo.eps_high}")
-    _check(lo.dual_clip is None or lo.dual_clip > 1, f"loss.dual_clip must be > 1 or null, got {lo.dual_clip}")
-    _check(lo.beta >= 0, f"loss.beta must be >= 0, got {lo.beta}")
-    _check(lo.kl_estimator in ("k1", "k2", "k3"), f"loss.kl_estimator must be one of k1, k2, k3, got {lo.kl_estimator!r}")
-    _check(lo.kl_placement in ("loss", "reward"), f"loss.kl_placement must be 'loss' or 'reward', got {lo.kl_placement!r}")
     _check(0 <= cfg.reward.overlong_cache <= r.max_new_tokens,
            f"reward.overlong_cache must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {cfg.reward.overlong_cache}")
     _check(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
@@ -183,11 +174,18 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:
         _check(cfg[g] is not None, f"no option chosen for group '{g}'")
-    for g in ("advantage", "sampler"):  # components that need groups say so with `min_group_size`
-        need = getattr(target_class(cfg, g), "min_group_size", 1)
-        _check(r.group_size >= need, f"{g}={cfg[g]._target_} needs rollout.group_size >= {need}, got {r.group_size}")
-    build(cfg, "advantage")
-    build(cfg, "aggregator")
+    for g, kind in (("advantage", AdvantageEstimator), ("sampler", Sampler)):  # they declare `min_group_size`
+        cls = target_class(cfg, g)
+        check(cls, kind, g)
+        _check(r.group_size >= cls.min_group_size,
+               f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {r.group_size}")
+    check(target_class(cfg, "engine"), Engine, "engine")
+    if target_class(cfg, "advantage").needs_critic:
+        _check(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")
+        check(target_class(cfg, "critic"), Critic, "critic")
+    check(build(cfg, "advantage"), AdvantageEstimator, "advantage")
+    check(build(cfg, "aggregator"), Aggregator, "aggregator")
+    check(build(cfg, "loss"), PolicyLoss, "loss")
 
 
 def resolved(cfg: DictConfig) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForTokenClassification
 
+from rlkit.components import Critic
 from rlkit.rollout import Rollout, positions
 
 
@@ -39,3 +40,41 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     m = mask.bool()
     var = returns[m].var()
     return float(1 - (returns[m] - values[m]).var() / var) if m.sum() > 1 and var > 0 else 0.0
+
+
+class ValueModel(Critic):
+    """A token-level value model started from the policy (`build_critic`), trained by AdamW with
+    the clipped value loss on the same mini-batches as the policy."""
+
+    def __init__(self, policy, max_grad_norm: float, lr: float = 1e-3, value_clip: float = 0.2):
+        if lr <= 0 or value_clip <= 0:
+            raise ValueError(f"critic.lr and critic.value_clip must be > 0, got {lr} and {value_clip}")
+        self.model = build_critic(policy)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.value_clip, self.max_grad_norm = value_clip, max_grad_norm
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        return token_values(self.model, rollout)  # [N, Tc]
+
+    def update(self, rollout: Rollout, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        values = token_values(self.model, rollout)  # [n, Tc]
+        vl = value_loss(values, old_values, returns, self.value_clip)  # [n, Tc]
+        vl = (vl * mask).sum() / mask.sum().clamp(min=1)
+        vl.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        return float(vl.detach())
+
+    def save(self, path) -> None:
+        self.model.save_pretrained(path)
+
+    def load(self, path) -> None:
+        self.model.load_state_dict(type(self.model).from_pretrained(path).state_dict())
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

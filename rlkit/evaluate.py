@@ -1,25 +1,21 @@
-"""Greedy evaluation on the held-out split."""
+"""Greedy evaluation on the held-out split, through the run's generation engine."""
 from __future__ import annotations
 
 import torch
 
 from rlkit.metrics import mean_or_zero as mean
-from rlkit.rollout import generate
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, task, batch_size: int, max_new_tokens: int) -> dict:
+def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int) -> dict:
     """Greedy accuracy (reward > 0) and mean completion length (tokens) of correct and incorrect answers."""
-    was_training = policy.training
-    policy.eval()
     correct, lengths = [], []
     split = task.eval
     for start in range(0, len(split), batch_size):
         rows = [split[i] for i in range(start, min(start + batch_size, len(split)))]
-        _, _, ids, mask, _ = generate(policy, tokenizer, [r["prompt"] for r in rows], max_new_tokens, temperature=0)
-        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature=0)
+        texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         correct.append(task.score(rows, texts) > 0)  # [n]
-        lengths.append(mask.sum(-1).float())  # [n]
-    policy.train(was_training)
+        lengths.append(gen.completion_mask.sum(-1).float())  # [n]
     ok, lens = torch.cat(correct), torch.cat(lengths)  # [E]
     return {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok])}

@@ -56,6 +56,27 @@ class NonFiniteGuard:
                                  "The last checkpoint holds the last good state (optim.max_nonfinite sets the limit)")
 
 
+def checked_advantages(estimator, rollout, values=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Call the estimator; its advantages (and returns, if it gives them) must be finite-typed
+    tensors of the rollout's [N, Tc] shape. A failure names the estimator, before any update."""
+    name = type(estimator).__qualname__
+    try:
+        out = estimator(rollout, values)
+    except Exception as e:  # a plugin's bug: name it and the rollout it failed on
+        raise ConfigError(f"advantage={name} raised on a rollout of {rollout.num_rows} rows: "
+                          f"{type(e).__name__}: {e}") from e
+    adv, returns = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    expect = tuple(rollout.completion_mask.shape)
+    for what, x in (("advantages", adv), ("returns", returns)):
+        if x is None and what == "returns":
+            continue
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != expect or not x.is_floating_point():
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ConfigError(f"advantage={name} returned {what} of shape {got}; expected a float tensor of shape "
+                              f"[N, Tc] = {list(expect)} (see rlkit.components.AdvantageEstimator)")
+    return adv, returns
+
+
 def finite(*xs) -> bool:
     return all(bool(torch.isfinite(torch.as_tensor(x)).all()) for x in xs)
 

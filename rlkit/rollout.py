@@ -7,11 +7,22 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+
+class Generation(NamedTuple):
+    """What an engine returns for N prompts."""
+
+    prompt_ids: torch.Tensor       # [N, Tp] left-padded
+    prompt_mask: torch.Tensor      # [N, Tp]
+    completion_ids: torch.Tensor   # [N, Tc] right-padded with the pad id
+    completion_mask: torch.Tensor  # [N, Tc] 1 on completion tokens, EOS included
+    truncated: torch.Tensor        # [N] bool, no EOS within the budget
 
 
 @dataclass
@@ -33,6 +44,10 @@ class Rollout:
     def __post_init__(self):
         if self.shaping is None and self.rewards is not None:
             self.shaping = torch.zeros_like(self.rewards)
+
+    @property
+    def num_rows(self) -> int:
+        return self.prompt_ids.shape[0]
 
     @property
     def num_groups(self) -> int:
@@ -109,10 +124,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             top_p: float = 1.0) -> Generation:
     """Sample one completion per prompt with a KV cache; each row stops at its EOS.
-    temperature 0 is greedy. Returns prompt ids and mask [N, Tp], completion ids and mask [N, Tc],
-    truncated [N]."""
+    temperature 0 is greedy."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [N, Tp]
     N = prompt_ids.shape[0]
@@ -139,7 +153,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
         next_pos = next_pos + 1
     completion_ids = torch.stack(tokens, 1)  # [N, Tc]
     completion_mask = torch.stack(alive, 1).long()  # [N, Tc]
-    return prompt_ids, prompt_mask, completion_ids, completion_mask, ~done
+    return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, ~done)
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,

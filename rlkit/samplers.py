@@ -9,10 +9,11 @@ import numpy as np
 import torch
 from datasets import Dataset
 
+from rlkit.components import Sampler
 from rlkit.rollout import Rollout
 
 
-class Uniform:
+class Uniform(Sampler):
     """P prompts per step from the training split, reshuffled every epoch, seeded; its position
     is part of the checkpoint."""
 

@@ -58,7 +58,7 @@ def test_padding_changes_nothing(g, extra):
 def test_gae_with_unit_gamma_lambda_and_zero_values_is_reward_to_go():
     r = make_rollout([1.0, -2.0], 1, lengths=[3, 2], T=4)
     r.kl_penalty = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.5, 0.5, 0.0, 0.0]])
-    adv, ret = GAE(gamma=1.0, lam=1.0, whiten=False).advantages_and_returns(r, torch.zeros(2, 4))
+    adv, ret = GAE(gamma=1.0, lam=1.0, whiten=False)(r, torch.zeros(2, 4))
     # token rewards: [-0.1, -0.2, 1-0.3] and [-0.5, -2-0.5]; reward-to-go sums from t to the end
     expect = torch.tensor([[0.4, 0.5, 0.7, 0.0], [-3.0, -2.5, 0.0, 0.0]])
     assert torch.allclose(adv, expect) and torch.allclose(ret, expect)
@@ -68,7 +68,7 @@ def test_gae_by_hand():
     # one completion of 3 tokens, reward 1 at the end, V = [0.5, 0.2, 0.6], gamma 0.9, lambda 0.5
     r = make_rollout([1.0], 1, lengths=[3], T=3)
     v = torch.tensor([[0.5, 0.2, 0.6]])
-    adv, ret = GAE(gamma=0.9, lam=0.5, whiten=False).advantages_and_returns(r, v)
+    adv, ret = GAE(gamma=0.9, lam=0.5, whiten=False)(r, v)
     d = [0 + 0.9 * 0.2 - 0.5, 0 + 0.9 * 0.6 - 0.2, 1 - 0.6]  # deltas
     a2 = d[2]
     a1 = d[1] + 0.45 * a2

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from rlkit.losses import PolicyLoss, clipped_surrogate, kl_estimate
+from rlkit.losses import PPOClip, clipped_surrogate, kl_estimate
 
 
 def grad_at(ratio: float, adv: float, eps_low=0.2, eps_high=0.2, dual_clip=None) -> float:
@@ -45,8 +45,8 @@ def test_dual_clip_caps_negative_advantage_loss():
 def test_clip_fractions_count_clipped_tokens():
     logp = torch.log(torch.tensor([[1.3, 0.7, 1.0, 0.7]]))
     _, info = clipped_surrogate(logp, torch.zeros(1, 4), torch.tensor([[1.0, -1.0, 1.0, 1.0]]), 0.2, 0.2)
-    assert info["clip_high"].tolist() == [[True, False, False, False]]
-    assert info["clip_low"].tolist() == [[False, True, False, False]]
+    assert info["clip_frac_high"].tolist() == [[True, False, False, False]]
+    assert info["clip_frac_low"].tolist() == [[False, True, False, False]]
 
 
 def test_kl_estimators_by_hand():
@@ -66,7 +66,8 @@ def test_k3_is_never_negative(logp, ref):
 def test_policy_loss_adds_kl_only_in_loss_placement():
     logp, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
     adv = torch.zeros(1, 1)
-    in_loss, _ = PolicyLoss(beta=0.1)(logp, logp, adv, ref)
-    in_reward, info = PolicyLoss(beta=0.1, kl_placement="reward")(logp, logp, adv, ref)
+    mask = torch.ones(1, 1)
+    in_loss, _ = PPOClip(beta=0.1)(logp, logp, adv, mask, ref)
+    in_reward, info = PPOClip(beta=0.1, kl_placement="reward")(logp, logp, adv, mask, ref)
     assert float(in_loss) == pytest.approx(0.1 * (0.5 + math.log(2) - 1))
     assert float(in_reward) == 0.0 and float(info["kl"]) > 0

@@ -1,0 +1,105 @@
+"""The component kinds: what a plugin implements, in one place.
+
+Each kind is a `typing.Protocol` with its methods and declared attributes. Subclass it to
+inherit the attribute defaults (a plugin that does not subclass must declare every attribute;
+`check` names the missing ones). The training loop reads these attributes and never asks which
+implementation it holds. A component is chosen by a YAML file in the kind's config group whose
+`_target_` names the class (`_partial_: true` where run-time arguments arrive; they are listed
+under each kind).
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from rlkit.rollout import Generation, Rollout
+
+
+class AdvantageEstimator(Protocol):
+    """Group `advantage`. `estimator(rollout, values=None)` returns per-token advantages
+    `[N, Tc]`, or `(advantages, returns)` `[N, Tc]` each when it trains a critic. `values` are
+    the critic's `[N, Tc]` when `needs_critic`."""
+
+    min_group_size: int = 2          # rollout.group_size is checked against it before any model is built
+    needs_critic: bool = False       # the core builds the `critic` component and passes its values
+    needs_step_rewards: bool = False  # the core scores each reasoning step (rollout.step_rewards, step_mask)
+
+    def __call__(self, rollout: Rollout, values: torch.Tensor | None = None): ...
+
+
+class Aggregator(Protocol):
+    """Group `aggregator`: per-token loss weights, computed once over the optimizer-step batch, so
+    the loss is `sum(L * weights)` and any micro-batch split gives the same gradient."""
+
+    def token_weights(self, mask: torch.Tensor) -> torch.Tensor: ...  # [N, Tc] -> [N, Tc]
+
+
+class Sampler(Protocol):
+    """Group `sampler` (`_partial_: true`; `dataset`, `batch_size`, `seed` arrive at run time).
+    `sample(make_rollout)` calls `make_rollout(rows)` (G completions per dataset row, scored) as
+    often as it likes and returns the rollout to train on with its own metrics."""
+
+    min_group_size: int = 1
+
+    def sample(self, make_rollout: Callable[[list[dict]], Rollout]) -> tuple[Rollout, dict]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class PolicyLoss(Protocol):
+    """Group `loss`. `loss(logp, old_logp, adv, mask, ref_logp, entropy)` -> (per-token loss
+    `[n, Tc]`, statistics `{name: [n, Tc]}`); the loop logs each statistic's token mean as
+    `train/<name>` without knowing the names. `train_mask(rollout)` is the completion mask the
+    aggregator normalises over (a loss may drop rows, e.g. truncated ones)."""
+
+    beta: float = 0.0                # KL coefficient; 0 builds no reference model and runs no reference forward
+    kl_in_reward: bool = False       # True: the core subtracts beta * KL from the per-token reward instead
+    entropy_grad: bool = False       # True: the entropy passed in carries a gradient (an entropy bonus)
+
+    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                 ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict]: ...
+    def kl_penalty(self, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor: ...  # [N, Tc]
+    def train_mask(self, rollout: Rollout) -> torch.Tensor: ...  # [N, Tc]
+
+
+class Critic(Protocol):
+    """Group `critic` (`_partial_: true`; `policy` and `max_grad_norm` arrive at run time). Built
+    only when the estimator `needs_critic`."""
+
+    def values(self, rollout: Rollout) -> torch.Tensor: ...  # [N, Tc], no gradient
+    def update(self, rollout: Rollout, old_values: torch.Tensor, returns: torch.Tensor,
+               mask: torch.Tensor) -> float: ...  # one optimizer step on these rows; returns the value loss
+    def save(self, path) -> None: ...
+    def load(self, path) -> None: ...
+    def state_dict(self) -> dict: ...  # optimizer state
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Engine(Protocol):
+    """Group `engine` (`_partial_: true`; `policy` and `tokenizer` arrive at run time): generation
+    for training and evaluation. `exact_logprobs` says its sampling distribution is the trainer's
+    own model, so old log-probs can be reused; otherwise the trainer recomputes them.
+    `load_weights(policy)` is called after every update."""
+
+    exact_logprobs: bool = True
+
+    def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0) -> Generation: ...
+    def load_weights(self, policy: torch.nn.Module) -> None: ...
+
+
+def check(obj, kind: type, key: str) -> None:
+    """Fail naming the config key when `obj` (a class or an instance) lacks what `kind` declares."""
+    from rlkit.config import ConfigError  # rlkit.config imports this module
+
+    declared = set(getattr(kind, "__annotations__", {})) | {
+        n for n, v in vars(kind).items() if callable(v) and not n.startswith("_")}
+    if "__call__" in vars(kind) and vars(kind)["__call__"] is not None:
+        declared.add("__call__")
+    missing = sorted(n for n in declared if not hasattr(obj, n))
+    if missing:
+        name = getattr(obj, "__qualname__", type(obj).__qualname__)
+        raise ConfigError(f"{key}: {name} lacks {', '.join(missing)} (see rlkit.components.{kind.__name__}; "
+                          "subclass it to inherit the defaults)")

@@ -1,0 +1,31 @@
+"""Generation engines: the only way training and evaluation generate text."""
+from __future__ import annotations
+
+import torch
+
+from rlkit.components import Engine
+from rlkit.rollout import Generation, generate
+
+
+class KVCache(Engine):
+    """The trainer's own model, sampled with rlkit's batched KV-cache loop (`rlkit.rollout.generate`).
+    It generates from the very weights being trained, so its log-probs are the trainer's and
+    `load_weights` has nothing to copy. An engine on other hardware or software (vLLM, SGLang)
+    sets `exact_logprobs = False` and copies the weights in `load_weights`."""
+
+    exact_logprobs = True
+
+    def __init__(self, policy: torch.nn.Module, tokenizer):
+        self.policy, self.tokenizer = policy, tokenizer
+
+    def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0) -> Generation:
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p)
+        finally:
+            self.policy.train(was_training)
+
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        pass  # generates from `policy` itself

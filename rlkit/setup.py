@@ -1,0 +1,159 @@
+"""Building a run: components from the config, models, optimizers, resume from a checkpoint, and
+the Hydra app's paths. `setup` returns the one `RunState` that the loop's phases share."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from rlkit import checkpoint
+from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, Sampler
+from rlkit.config import build, resolved, validate
+from rlkit.evaluate import evaluate
+from rlkit.guards import NonFiniteError, NonFiniteGuard, all_finite, check_context, check_resume, check_writable
+from rlkit.tasks.base import Task
+from rlkit.warm_start import warm_start
+
+
+@dataclass
+class RunState:
+    """Everything the phases of a step share."""
+
+    cfg: DictConfig
+    run_dir: str
+    device: torch.device
+    task: Task
+    policy: torch.nn.Module
+    tokenizer: Any
+    engine: Engine
+    ref: torch.nn.Module | None          # frozen reference, only when loss.beta > 0
+    critic: Critic | None                # only when the estimator needs one
+    advantage: AdvantageEstimator
+    aggregator: Aggregator
+    loss: PolicyLoss
+    sampler: Sampler
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LambdaLR
+    logger: Any = None
+    guard: NonFiniteGuard | None = None
+    eval_kw: dict = field(default_factory=dict)
+    start: int = 0                       # last finished step (resume)
+    first_eval: dict = field(default_factory=dict)
+    last_eval: dict = field(default_factory=dict)
+    timer: Any = None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup(cfg: DictConfig, run_dir: str, run_info: dict) -> RunState:
+    """Check the config, build every component and model, resume from the run directory's last
+    checkpoint, start the logger and evaluate once before training."""
+    validate(cfg)  # every check that needs no model, before anything expensive
+    check_writable(run_dir, "hydra.run.dir")
+    if cfg.warm_start.steps:
+        check_writable(cfg.warm_start.cache_dir, "warm_start.cache_dir")
+    if cfg.threads or run_info.get("threads"):
+        torch.set_num_threads(cfg.threads or run_info["threads"])
+    R, O = cfg.rollout, cfg.optim
+    device = torch.device(cfg.device)
+    task = build(cfg, "task")
+    task.check_splits()
+    advantage, aggregator, loss = build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss")
+    policy, tokenizer = build(cfg, "model").build(task.alphabet, cfg.seed)
+    check_context(tokenizer, policy, {"train": task.train, "eval": task.eval}, R.max_new_tokens)
+    warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)})
+    policy.to(device)
+    ref = copy.deepcopy(policy).eval().requires_grad_(False) if loss.beta > 0 else None
+    critic = build(cfg, "critic", policy=policy, max_grad_norm=O.max_grad_norm) if advantage.needs_critic else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
+    sampler = build(cfg, "sampler", dataset=task.train, batch_size=R.prompts_per_step, seed=cfg.seed)
+    engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
+    seed_everything(cfg.seed)
+    run = RunState(cfg, run_dir, device, task, policy, tokenizer, engine, ref, critic, advantage, aggregator, loss,
+                   sampler, optimizer, schedule, guard=NonFiniteGuard(O.max_nonfinite),
+                   eval_kw=dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens))
+    state = resume(run) if cfg.checkpoint.resume else {}
+    run.logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=run.start,
+                       run_id=state.get("run_id"), run_info=run_info)
+    Path(run_dir, "run.json").write_text(json.dumps({"choices": run_info.get("choices", {}), "config": resolved(cfg)},
+                                                    indent=1))
+    run.first_eval = state.get("first_eval") or evaluate(engine, tokenizer, task, **run.eval_kw)
+    run.last_eval = state.get("last_eval", run.first_eval)
+    if run.start == 0:
+        run.logger.log(0, run.first_eval)
+    return run
+
+
+def resume(run: RunState) -> dict:
+    """Load the run directory's last checkpoint into `run` (weights, optimizers, sampler position,
+    RNG, step) and return its saved state; {} when there is none."""
+    last = checkpoint.latest(run.run_dir)
+    if last is None:
+        return {}
+    state = checkpoint.load_state(last)
+    check_resume(state.get("config"), resolved(run.cfg), last)
+    run.policy.load_state_dict(type(run.policy).from_pretrained(last / "policy").state_dict())
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.schedule.load_state_dict(state["schedule"])
+    if run.critic is not None:
+        run.critic.load(last / "critic")
+        run.critic.load_state_dict(state["critic_optimizer"])
+    run.sampler.load_state_dict(state["sampler"])
+    checkpoint.set_rng_state(state["rng"])
+    run.start = state["step"]
+    print(f"rlkit: resuming from {last} (step {run.start})", file=sys.stderr)
+    return state
+
+
+def save_checkpoint(run: RunState, step: int) -> Path:
+    if not all_finite(run.policy):  # never write a non-finite state over a good checkpoint
+        raise NonFiniteError(f"the policy has non-finite weights at step {step}; checkpoint not written")
+    models = {"policy": run.policy.save_pretrained}
+    extra = {}
+    if run.critic is not None:
+        models["critic"] = run.critic.save
+        extra["critic_optimizer"] = run.critic.state_dict()
+    return checkpoint.save(run.run_dir, step, models, run.tokenizer,
+                           {"optimizer": run.optimizer.state_dict(), "schedule": run.schedule.state_dict(), **extra,
+                            "sampler": run.sampler.state_dict(), "first_eval": run.first_eval,
+                            "last_eval": run.last_eval, "run_id": run.logger.run_id, "config": resolved(run.cfg)},
+                           keep=run.cfg.checkpoint.keep)
+
+
+def hydra_run_info() -> dict:
+    """Chosen options, and in a sweep its name, this run's overrides and threads per parallel job."""
+    hc = HydraConfig.get()
+    info = {"choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None}}
+    if hc.mode == RunMode.MULTIRUN:
+        info.update(sweep=Path(hc.sweep.dir).name, name=hc.job.override_dirname or None)
+        jobs = OmegaConf.select(hc, "launcher.n_jobs")
+        if jobs is not None:  # parallel jobs share the cores
+            cores = os.cpu_count() or 1
+            info["threads"] = max(1, cores // (cores if jobs < 1 else min(jobs, cores)))
+    return info
+
+
+def config_path() -> str:
+    """The installed configs (`rlkit.conf`), or the checkout's `conf/` when `rlkit` is imported
+    from a source tree that was not installed (for example `python -m rlkit.train` from the repo root
+    next to a non-editable install)."""
+    if importlib.util.find_spec("rlkit.conf") is not None:
+        return "pkg://rlkit.conf"
+    return str(Path(__file__).resolve().parents[1] / "conf")
