@@ -38,7 +38,7 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
 
 def load_runs(root: Path) -> list[Run]:
     """Every directory under `root` holding run.json and metrics.jsonl."""
-    from rlkit.logging import flatten
+    from rlkit.logging import flatten, read_jsonl
     runs = []
     for info in sorted(root.rglob("run.json")):
         d = info.parent
@@ -46,8 +46,13 @@ def load_runs(root: Path) -> list[Run]:
             continue
         meta = json.loads(info.read_text())
         run = Run(str(d.relative_to(root)) if d != root else d.name, {**flatten(meta["config"]), **meta["choices"]})
-        for line in (d / "metrics.jsonl").read_text().splitlines():
-            row = json.loads(line)
+        rows = {}
+        for row in read_jsonl(d / "metrics.jsonl"):
+            if row["step"] in rows:
+                print(f"rlkit-compare: {d / 'metrics.jsonl'} has step {row['step']} more than once (two runs in one "
+                      "directory?); keeping the last", file=sys.stderr)
+            rows[row["step"]] = row
+        for row in sorted(rows.values(), key=lambda r: r["step"]):
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     run.history.setdefault(k, []).append((row["step"], float(v)))
@@ -133,6 +138,8 @@ def plot(groups: dict, by: list[str], metric: str, path: Path) -> None:
                 by_step[s].append(v)
         steps = sorted(s for s, vs in by_step.items() if len(vs) == len(runs))
         if not steps:
+            print(f"rlkit-compare: {metric}: no step where all {len(runs)} runs of {key} logged it; not drawn",
+                  file=sys.stderr)
             continue
         stats = [mean_ci(by_step[s]) for s in steps]
         mean = [m for m, _ in stats]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -125,15 +127,45 @@ def target_class(cfg: DictConfig, key: str) -> type:
         raise ConfigError(f"{key}._target_={node._target_!r} cannot be imported: {e}") from e
 
 
+def options(target: type) -> dict | None:
+    """The constructor arguments of `target` with their type hints, following `**kwargs` up the
+    class hierarchy; None when it takes any keyword."""
+    params = {}
+    for cls in target.__mro__:
+        init = vars(cls).get("__init__")
+        if init is None or cls is object:
+            continue
+        hints = typing.get_type_hints(init)
+        sig = inspect.signature(init).parameters.values()
+        params.update({p.name: hints.get(p.name) for p in sig if p.name != "self" and p.kind in
+                       (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in params})
+        if not any(p.kind == p.VAR_KEYWORD for p in sig):
+            return params
+    return params if target.__init__ is object.__init__ else None
+
+
+def _type_ok(value, hint) -> bool:
+    """Whether a config value fits a plain type hint (int, float, bool, str, optionally None);
+    other hints are not checked."""
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if not all(t in (int, float, bool, str, type(None)) for t in allowed):
+        return True
+    if isinstance(value, bool):
+        return bool in allowed
+    return isinstance(value, tuple(allowed)) or (isinstance(value, int) and float in allowed)
+
+
 def build(cfg: DictConfig, key: str, **runtime) -> Any:
-    """Instantiate the component at `key`; a wrong argument name is reported with its key."""
+    """Instantiate the component at `key`; a wrong argument name or type is reported with its key."""
     node, target = cfg[key], target_class(cfg, key)
-    params = inspect.signature(target).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        allowed = [n for n in params if n != "self"]
-        for k in node:
-            if not str(k).startswith("_") and k not in params:
-                raise ConfigError(f"{key}.{k} is not an option of {node._target_} (options: {allowed})")
+    params = options(target)
+    for k in node if params is not None else ():
+        if str(k).startswith("_") or OmegaConf.is_missing(node, k):
+            continue
+        if k not in params:
+            raise ConfigError(f"{key}.{k} is not an option of {node._target_} (options: {list(params)})")
+        if not _type_ok(node[k], params[k]):
+            raise ConfigError(f"{key}.{k}={node[k]!r} must be of type {getattr(params[k], '__name__', params[k])}")
     try:
         obj = instantiate(node)
         return obj(**runtime) if node.get("_partial_", False) else obj

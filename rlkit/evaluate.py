@@ -1,7 +1,10 @@
 """Greedy evaluation on the held-out split, through the run's generation engine."""
 from __future__ import annotations
 
+import sys
+
 import torch
+from tqdm import tqdm
 
 from rlkit.metrics import mean_or_zero as mean
 
@@ -11,7 +14,7 @@ def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int) -> d
     """Greedy accuracy (reward > 0) and mean completion length (tokens) of correct and incorrect answers."""
     correct, lengths = [], []
     split = task.eval
-    for start in range(0, len(split), batch_size):
+    for start in tqdm(range(0, len(split), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
         rows = [split[i] for i in range(start, min(start + batch_size, len(split)))]
         gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature=0)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)

@@ -1,6 +1,7 @@
 """Run safety: preemption signals, non-finite updates, checks on the run's inputs and outputs."""
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import threading
@@ -95,6 +96,47 @@ def check_writable(path: str | Path, key: str) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"{key}: directory {path} is not writable ({e.strerror or e})") from e
+
+
+class RunDirLock:
+    """Refuses a run directory that another live run holds; the lock (`.rlkit.lock`, flock) dies
+    with its process, so a killed run's directory can be resumed at once."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / ".rlkit.lock"
+
+    def __enter__(self):
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise ConfigError(f"hydra.run.dir: {self.path.parent} is in use by a live run ({holder}); "
+                              "wait for it, or choose another hydra.run.dir") from None
+        self.file.truncate(0)
+        self.file.write(f"pid {os.getpid()}")
+        self.file.flush()
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def check_encodable(tokenizer, splits: dict) -> None:
+    """Every prompt must encode without the tokenizer's unknown token; names the split, row and characters."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return
+    for name, split in splits.items():
+        for i, ids in enumerate(tokenizer(list(split["prompt"]))["input_ids"]):
+            if unk in ids:
+                text = split[i]["prompt"]
+                bad = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
+                raise ConfigError(f"task.{name} row {i} ({text!r}) has characters the tokenizer cannot encode: "
+                                  f"{bad or 'unknown token'}")
 
 
 def check_context(tokenizer, model, splits: dict, max_new_tokens: int) -> None:

@@ -18,11 +18,22 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines log; a line cut short by a kill mid-write is dropped, and said."""
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line)) if line.strip() else None
+        except json.JSONDecodeError:
+            print(f"rlkit: {path} line {n} is not valid JSON (cut short by a kill?); dropped", file=sys.stderr)
+    return records
+
+
 def _truncate(path: Path, step: int) -> None:
-    """Drop lines past `step` (a resumed run rewrites them)."""
+    """Drop records past `step` (a resumed run rewrites them)."""
     if path.exists():
-        keep = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= step]
-        path.write_text("".join(l + "\n" for l in keep))
+        keep = [r for r in read_jsonl(path) if r.get("step", step + 1) <= step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
 
 class JsonlLogger:

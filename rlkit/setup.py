@@ -7,7 +7,9 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,16 +17,18 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rlkit import checkpoint
 from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, Sampler
-from rlkit.config import build, resolved, validate
+from rlkit.config import ConfigError, build, resolved
 from rlkit.evaluate import evaluate
-from rlkit.guards import NonFiniteError, NonFiniteGuard, all_finite, check_context, check_resume, check_writable
+from rlkit.guards import (NonFiniteError, NonFiniteGuard, all_finite, check_context, check_encodable, check_resume,
+                          check_writable)
 from rlkit.tasks.base import Task
-from rlkit.warm_start import warm_start
+from rlkit.warm_start import applies as warm_start_applies, warm_start
 
 
 @dataclass
@@ -53,6 +57,12 @@ class RunState:
     first_eval: dict = field(default_factory=dict)
     last_eval: dict = field(default_factory=dict)
     timer: Any = None
+    t0: float = field(default_factory=time.perf_counter)  # this session's start
+    wall_before: float = 0.0             # wall seconds of earlier sessions (resume)
+    finished_before: bool = False        # resumed from the final checkpoint: nothing left to train
+
+    def wall_s(self) -> float:
+        return self.wall_before + time.perf_counter() - self.t0
 
 
 def seed_everything(seed: int) -> None:
@@ -61,11 +71,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup(cfg: DictConfig, run_dir: str, run_info: dict) -> RunState:
-    """Check the config, build every component and model, resume from the run directory's last
-    checkpoint, start the logger and evaluate once before training."""
-    validate(cfg)  # every check that needs no model, before anything expensive
-    check_writable(run_dir, "hydra.run.dir")
+def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None) -> RunState:
+    """Build every component and model of a validated config, warm-start, resume from the run
+    directory's last checkpoint, start the logger and evaluate once before training. `stop`
+    (`StopSignals`) lets a signal end the warm start early."""
     if cfg.warm_start.steps:
         check_writable(cfg.warm_start.cache_dir, "warm_start.cache_dir")
     if cfg.threads or run_info.get("threads"):
@@ -75,9 +84,14 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict) -> RunState:
     task = build(cfg, "task")
     task.check_splits()
     advantage, aggregator, loss = build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss")
-    policy, tokenizer = build(cfg, "model").build(task.alphabet, cfg.seed)
-    check_context(tokenizer, policy, {"train": task.train, "eval": task.eval}, R.max_new_tokens)
-    warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)})
+    # a warm-started policy starts from warm_start.seed, so every RL seed shares it
+    init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
+    policy, tokenizer = build(cfg, "model").build(task.alphabet, init_seed)
+    splits = {"train": task.train, "eval": task.eval}
+    check_encodable(tokenizer, splits)
+    check_context(tokenizer, policy, splits, R.max_new_tokens)
+    warm = warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)},
+                      stop)
     policy.to(device)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if loss.beta > 0 else None
     critic = build(cfg, "critic", policy=policy, max_grad_norm=O.max_grad_norm) if advantage.needs_critic else None
@@ -92,8 +106,8 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict) -> RunState:
     state = resume(run) if cfg.checkpoint.resume else {}
     run.logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=run.start,
                        run_id=state.get("run_id"), run_info=run_info)
-    Path(run_dir, "run.json").write_text(json.dumps({"choices": run_info.get("choices", {}), "config": resolved(cfg)},
-                                                    indent=1))
+    Path(run_dir, "run.json").write_text(json.dumps({"choices": run_info.get("choices", {}), "config": resolved(cfg),
+                                                     "warm_start": warm}, indent=1))
     run.first_eval = state.get("first_eval") or evaluate(engine, tokenizer, task, **run.eval_kw)
     run.last_eval = state.get("last_eval", run.first_eval)
     if run.start == 0:
@@ -106,6 +120,9 @@ def resume(run: RunState) -> dict:
     RNG, step) and return its saved state; {} when there is none."""
     last = checkpoint.latest(run.run_dir)
     if last is None:
+        if any((Path(run.run_dir) / "checkpoints").glob("step_*")):
+            raise ConfigError(f"no intact checkpoint in {run.run_dir}/checkpoints (see above); "
+                              "use checkpoint.resume=false to start over")
         return {}
     state = checkpoint.load_state(last)
     check_resume(state.get("config"), resolved(run.cfg), last)
@@ -117,7 +134,8 @@ def resume(run: RunState) -> dict:
         run.critic.load_state_dict(state["critic_optimizer"])
     run.sampler.load_state_dict(state["sampler"])
     checkpoint.set_rng_state(state["rng"])
-    run.start = state["step"]
+    run.start, run.wall_before = state["step"], state.get("wall_s", 0.0)
+    run.finished_before = run.start >= run.cfg.steps
     print(f"rlkit: resuming from {last} (step {run.start})", file=sys.stderr)
     return state
 
@@ -133,8 +151,30 @@ def save_checkpoint(run: RunState, step: int) -> Path:
     return checkpoint.save(run.run_dir, step, models, run.tokenizer,
                            {"optimizer": run.optimizer.state_dict(), "schedule": run.schedule.state_dict(), **extra,
                             "sampler": run.sampler.state_dict(), "first_eval": run.first_eval,
-                            "last_eval": run.last_eval, "run_id": run.logger.run_id, "config": resolved(run.cfg)},
+                            "last_eval": run.last_eval, "run_id": run.logger.run_id, "config": resolved(run.cfg),
+                            "wall_s": run.wall_s()},
                            keep=run.cfg.checkpoint.keep)
+
+
+class ComposeCheck(Callback):
+    """Notes that Hydra composed the config, so `rlkit-train` can tell a composition error (bad
+    input, exit 2) from a failure inside a run."""
+
+    composed = False
+
+    def on_run_start(self, config, **kwargs) -> None:
+        ComposeCheck.composed = True
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        ComposeCheck.composed = True
+
+
+def discard_if_empty(run_dir: str) -> None:
+    """Remove a run directory that holds nothing but Hydra's own files (a run refused before it began)."""
+    path = Path(run_dir)
+    if path.resolve() != Path.cwd().resolve() and path.is_dir() and \
+            {p.name for p in path.iterdir()} <= {".hydra", "train.log", ".rlkit.lock"}:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def hydra_run_info() -> dict:

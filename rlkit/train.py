@@ -5,6 +5,7 @@ mini-batches x micro-batches) and `log` (metrics, evaluation, samples). `setup` 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -20,13 +21,13 @@ from transformers.utils import logging as hf_logging
 
 from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
-from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, StopSignals,
-                          checked_advantages, finite)
+from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RunDirLock,
+                          StopSignals, checked_advantages, check_writable, finite)
 from rlkit.metrics import rollout_metrics, samples, weight_metrics
 from rlkit.rewards import overlong_penalty
 from rlkit.rollout import Rollout, rollout_logprobs, step_reward_matrix
-from rlkit.setup import RunState, config_path, hydra_run_info, save_checkpoint, setup
-from rlkit.config import ConfigError
+from rlkit.setup import ComposeCheck, RunState, config_path, discard_if_empty, hydra_run_info, save_checkpoint, setup
+from rlkit.config import ConfigError, validate
 from rlkit.tasks.base import TaskError
 
 hf_logging.disable_progress_bar()
@@ -207,10 +208,16 @@ def log(run: RunState, step: int, rollout: Rollout, batch: Batch | None, stats: 
 def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
     """Train as `cfg` says, writing to `run_dir`; `run_info` carries the chosen options (`choices`)
     and sweep name for the logger."""
-    state = setup(cfg, run_dir, run_info or {})
-    state.timer, t_start = Timer(), time.perf_counter()
-    bar = tqdm(range(state.start + 1, cfg.steps + 1), initial=state.start, total=cfg.steps, desc="rlkit", file=sys.stderr)
-    with StopSignals() as stop:  # SIGTERM/SIGINT: finish the step, checkpoint, exit
+    t0 = time.perf_counter()
+    validate(cfg)  # every check that needs no model, before anything is built or written
+    check_writable(run_dir, "hydra.run.dir")
+    with RunDirLock(run_dir), StopSignals() as stop:  # SIGTERM/SIGINT: finish the step, checkpoint, exit
+        state = setup(cfg, run_dir, run_info or {}, stop)
+        state.timer, state.t0 = Timer(), t0
+        if stop.received:
+            raise Preempted(f"stopped by {stop.received} before the first step; rerun the same command to start")
+        bar = tqdm(range(state.start + 1, cfg.steps + 1), initial=state.start, total=cfg.steps, desc="rlkit",
+                   file=sys.stderr)
         for step in bar:
             state.timer.clear()
             with state.timer("step"):
@@ -226,21 +233,34 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
                 raise Preempted(f"stopped by {stop.received} after step {step}; checkpoint {path}; "
                                 "rerun the same command (same hydra.run.dir) to resume")
             state.guard.record(stats.skipped, step)
-    state.logger.finish()
+        state.logger.finish()
+        return write_summary(state)
+
+
+def write_summary(state: RunState) -> dict:
+    """summary.json and the closing line; wall time counts every session of the run, set-up included.
+    A rerun of a finished run keeps its summary."""
+    path = Path(state.run_dir, "summary.json")
+    if state.finished_before and path.exists():
+        print(f"rlkit: the run in {state.run_dir} had already finished at step {state.start}; nothing to do",
+              file=sys.stderr)
+        return json.loads(path.read_text())
     summary = {"accuracy_before": state.first_eval["eval/accuracy"], "accuracy_after": state.last_eval["eval/accuracy"],
-               "steps": cfg.steps, "wall_s": round(time.perf_counter() - t_start, 1)}
-    Path(run_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+               "steps": state.cfg.steps, "wall_s": round(state.wall_s(), 1)}
+    path.write_text(json.dumps(summary, indent=1))
     print(f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
-          f"in {summary['wall_s']:.0f}s over {cfg.steps} steps ({run_dir})", file=sys.stderr)
+          f"in {summary['wall_s']:.0f}s over {state.cfg.steps} steps ({state.run_dir})", file=sys.stderr)
     return summary
 
 
 @hydra.main(version_base=None, config_path=config_path(), config_name="config")
-def main(cfg: DictConfig) -> dict | None:
+def app(cfg: DictConfig) -> dict | None:
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
-        return run(cfg, HydraConfig.get().runtime.output_dir, hydra_run_info())
+        return run(cfg, run_dir, hydra_run_info())
     except (ConfigError, TaskError) as e:
         print(f"rlkit: error: {e}", file=sys.stderr)
+        discard_if_empty(run_dir)
         sys.exit(EXIT_BAD_INPUT)
     except NonFiniteError as e:
         print(f"rlkit: error: {e}", file=sys.stderr)
@@ -248,6 +268,23 @@ def main(cfg: DictConfig) -> dict | None:
     except Preempted as e:
         print(f"rlkit: {e}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
+
+
+def main() -> None:
+    """`rlkit-train`. Like `python -m`, puts the current directory on the import path, so a plugin
+    module next to the user's configs imports. A config that does not compose exits 2, as other
+    bad input does (Hydra's own message says why)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        app()
+    except SystemExit as e:
+        if e.code == 1 and not ComposeCheck.composed:
+            print("rlkit: error: the overrides or config files above did not compose. A component's own options "
+                  "are listed by adding the key with '+' (e.g. +advantage.bogus=1); `rlkit-train --help` lists the "
+                  "groups and their options", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
+        raise
 
 
 if __name__ == "__main__":

@@ -1,17 +1,30 @@
-"""Supervised warm start on the task's demonstrations, cached on disk keyed by its config, so RL
-starts from a policy with partial accuracy."""
+"""Supervised warm start on the task's demonstrations, so RL starts from a policy with partial
+accuracy. It is shared by every RL seed: the model is initialised from `warm_start.seed` (not the
+run's seed), the result is cached on disk under a hash of everything that shapes it (model, task,
+warm-start settings, that seed), and a file lock makes jobs that start together on an empty cache
+train it once and all load the same weights."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from rlkit.guards import Preempted
 from rlkit.rollout import encode_prompts, token_logprobs
+
+
+def applies(cfg, task) -> bool:
+    """Whether the run warm-starts: steps > 0 and the task has demonstrations."""
+    return cfg.steps > 0 and hasattr(task, "demonstration")
 
 
 def cache_path(cache_dir: str, key: dict) -> Path:
@@ -26,14 +39,18 @@ def demonstration_batch(tokenizer, task, rows: list[dict], rng: random.Random):
     return prompt_ids, prompt_mask, enc["input_ids"], enc["attention_mask"]  # [B, Tp] x2, [B, Tc] x2
 
 
-def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: float, seed: int) -> None:
+def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: float, seed: int, stop=None) -> None:
+    """`stop.received` (a signal name) aborts between steps with `Preempted`; nothing is cached."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps))
     policy.train()
     n = len(task.train)
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc="rlkit warm start", file=sys.stderr, leave=False):
+        if stop is not None and stop.received:
+            raise Preempted(f"stopped by {stop.received} during the warm start; nothing was cached or trained; "
+                            "rerun the same command to start again")
         rows = [task.train[rng.randrange(n)] for _ in range(batch_size)]
         pid, pmask, cid, cmask = demonstration_batch(tokenizer, task, rows, rng)
         logp, _ = token_logprobs(policy, pid, pmask, cid, cmask)  # [B, Tc]
@@ -45,21 +62,36 @@ def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: f
         sched.step()
 
 
-def warm_start(policy, tokenizer, task, cfg, key: dict) -> bool:
+@contextmanager
+def locked(path: Path):
+    """An exclusive lock on `<path>.lock`, released when the process ends, however it ends."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
     """Load the cached warm start for `key` (model, task and warm-start config) or train and cache
-    it. Returns True when it came from the cache."""
-    if cfg.steps == 0 or not hasattr(task, "demonstration"):
-        return False
+    it. `policy` must have been initialised from `cfg.seed` (see `applies`). Returns where the
+    weights are cached and whether this call trained them ({} when there is no warm start)."""
+    if not applies(cfg, task):
+        return {}
     path = cache_path(cfg.cache_dir, {**key, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
                                       "seed": cfg.seed})
-    if (path / "config.json").exists():
+    with locked(path):  # a job that finds another training this entry waits for it, then loads it
+        trained = not (path / "config.json").exists()
+        if trained:
+            print(f"rlkit: warm start: {cfg.steps} supervised steps, cached in {path}", file=sys.stderr)
+            train_supervised(policy, tokenizer, task, cfg.steps, cfg.batch_size, cfg.lr, cfg.seed, stop)
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            policy.save_pretrained(tmp)
+            (tmp / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
         policy.load_state_dict(type(policy).from_pretrained(path).state_dict())
-        return True
-    train_supervised(policy, tokenizer, task, cfg.steps, cfg.batch_size, cfg.lr, cfg.seed)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(tmp)
-    (tmp / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    return False
+    return {"cache": str(path), "trained": trained}

@@ -1,6 +1,7 @@
 """Rollouts built by hand from tensors (no model), for testing estimators and samplers."""
 import torch
 
+from rlkit.components import AdvantageEstimator
 from rlkit.rollout import Rollout
 
 
@@ -14,16 +15,13 @@ def make_rollout(rewards, G, lengths=None, T=4, shaping=None):
                    shaping=None if shaping is None else torch.tensor(shaping, dtype=torch.float))
 
 
-class NaNOnCalls:
+class NaNOnCalls(AdvantageEstimator):
     """GRPO whose advantages are NaN on the given (1-based) calls: plants a non-finite update.
     Loaded through `advantage._target_`, like any plugin."""
 
-    min_group_size = 2
-    needs_critic = False
-
-    def __init__(self, std: str = "sample", eps: float = 1e-6, calls: tuple = (2,)):
+    def __init__(self, std: str = "sample", eps: float = 1e-6, std_scope: str = "group", calls: tuple = (2,)):
         from rlkit.advantages import GRPO
-        self.inner, self.calls, self.n = GRPO(std, eps), set(calls), 0
+        self.inner, self.calls, self.n = GRPO(std, eps, std_scope), set(calls), 0
 
     def __call__(self, rollout, values=None):
         self.n += 1
@@ -35,3 +33,34 @@ def raising_reward(row, completion):
     if completion.startswith("1"):
         raise KeyError("boom")
     return 0.0
+
+
+class RemoteLikeEngine:
+    """An engine whose numbers are not the trainer's (as vLLM's would be): generates with rlkit's
+    loop on its own copy of the policy and receives the weights after every update. Written
+    without subclassing the Protocol, as a plugin may be."""
+
+    exact_logprobs = False
+    syncs = 0
+
+    def __init__(self, policy, tokenizer):
+        import copy
+        self.model, self.tokenizer = copy.deepcopy(policy).eval(), tokenizer
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
+        from rlkit.rollout import generate
+        return generate(self.model, self.tokenizer, prompts, max_new_tokens, temperature, top_p)
+
+    def load_weights(self, policy):
+        self.model.load_state_dict(policy.state_dict())
+        RemoteLikeEngine.syncs += 1
+
+
+class OldStylePlugin:
+    """An estimator that declares only some of the Protocol's attributes."""
+
+    min_group_size = 2
+    needs_critic = False
+
+    def __call__(self, rollout, values=None):
+        return rollout.completion_mask.float()

@@ -77,3 +77,11 @@ def test_grpo_properties(g, shift, scale):
     spread = torch.tensor(rows).std(1, keepdim=True) > 1e-3  # skip near-degenerate groups (float rounding)
     assert torch.allclose(shifted * spread, base * spread, atol=1e-3)
     assert torch.allclose(scaled * spread, base * spread, atol=1e-3)
+
+
+def test_batch_std_scope_divides_by_the_std_of_the_whole_batch():
+    # rewards [[1, 0], [1, 1]]: group means .5 and 1; batch sample std of (1, 0, 1, 1) is 0.5
+    r = rollout([1.0, 0.0, 1.0, 1.0], G=2)
+    assert GRPO(eps=0.0, std_scope="batch")(r)[:, 0].tolist() == [1.0, -1.0, 0.0, 0.0]
+    group = GRPO(eps=0.0)(r)[:, 0]
+    assert group[:2].tolist() == pytest.approx([math.sqrt(0.5), -math.sqrt(0.5)]) and group[2:].tolist() == [0.0, 0.0]

@@ -5,6 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import make_rollout
 from rlkit.advantages import GAE, GRPO, RLOO, DrGRPO, ProcessSupervision
+from rlkit.guards import checked_advantages
 
 
 def test_dr_grpo_by_hand():
@@ -50,8 +51,8 @@ def test_padding_changes_nothing(g, extra):
     lengths = [1 + i % 3 for i in range(len(flat))]
     for est in (GRPO(), DrGRPO(), RLOO(), GAE(lam=0.9, whiten=True)):
         values = torch.linspace(0, 1, 3 + extra)[None].expand(len(flat), -1)
-        a = est(make_rollout(flat, G, lengths, T=3), values[:, :3])
-        b = est(make_rollout(flat, G, lengths, T=3 + extra), values)
+        a = checked_advantages(est, make_rollout(flat, G, lengths, T=3), values[:, :3])[0]
+        b = checked_advantages(est, make_rollout(flat, G, lengths, T=3 + extra), values)[0]
         assert torch.allclose(b[:, :3], a, atol=1e-5) and not b[:, 3:].any()
 
 
@@ -78,7 +79,7 @@ def test_gae_by_hand():
 
 def test_gae_whitening_over_the_batch():
     r = make_rollout([1.0, 0.0, 3.0], 1, lengths=[2, 3, 1], T=3)
-    adv = GAE(lam=1.0)(r, torch.zeros(3, 3))
+    adv, _ = GAE(lam=1.0)(r, torch.zeros(3, 3))
     m = r.completion_mask.bool()
     assert abs(float(adv[m].mean())) < 1e-6 and float(adv[m].std()) == pytest.approx(1.0, abs=1e-5)
     assert not adv[~m].any()

@@ -20,8 +20,9 @@ class Task:
 
     @property
     def alphabet(self) -> str:
-        """Characters of the training data (for a character tokenizer)."""
-        return "".join(sorted(set("".join(list(self.train["prompt"]) + list(self.train["answer"])))))
+        """Characters of the prompts and answers of both splits (for a character tokenizer)."""
+        text = [str(x) for split in (self.train, self.eval) for col in ("prompt", "answer") for x in split[col]]
+        return "".join(sorted(set("".join(text))))
 
     def reward(self, row: dict, completion: str) -> float:
         raise NotImplementedError

@@ -1,7 +1,7 @@
 """A task read from data files with `datasets.load_dataset` (JSON lines, CSV, Parquet, ...)."""
 from __future__ import annotations
 
-from datasets import load_dataset
+from datasets import Value, load_dataset
 
 from rlkit.tasks.base import Task, TaskError
 
@@ -23,6 +23,9 @@ class FileTask(Task):
             split = split.select_columns([prompt_key, answer_key])
             if (prompt_key, answer_key) != ("prompt", "answer"):
                 split = split.rename_columns({prompt_key: "prompt", answer_key: "answer"})
+            for col in ("prompt", "answer"):  # numbers in a CSV or JSON file are text to the policy
+                if split.features[col] != Value("string"):
+                    split = split.cast_column(col, Value("string"))
             setattr(self, name, split)
 
     def reward(self, row: dict, completion: str) -> float:

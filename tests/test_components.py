@@ -1,0 +1,66 @@
+"""Components behind their Protocols: the engine is the only way to generate, a plugin loss runs
+through hydra.searchpath, and a component missing a declared attribute is named."""
+import json
+
+import pytest
+import torch
+
+import helpers
+from conftest import make_cfg
+from rlkit.config import ConfigError, validate
+from rlkit.setup import setup
+from rlkit.train import Timer, collect, prepare, run, update
+from test_variants import cli
+
+
+def prepared(cfg, tmp_path):
+    state = setup(cfg, str(tmp_path), {})
+    state.timer = Timer()
+    rollout, _ = collect(state)
+    return state, prepare(state, rollout)
+
+
+def test_an_engine_with_its_own_numbers_gets_old_logprobs_recomputed_and_weights_synced(tmp_path):
+    cfg = make_cfg(["loss.beta=0", "++engine._target_=helpers.RemoteLikeEngine", "checkpoint.every=0"],
+                   cache_dir=str(tmp_path / "cache"))
+    state, batch = prepared(cfg, tmp_path / "a")
+    assert batch.old_logp is not None and batch.old_logp.shape == batch.adv.shape
+    before, synced = helpers.RemoteLikeEngine.syncs, state.engine.model.model.embed_tokens.weight.clone()
+    update(state, batch)
+    assert helpers.RemoteLikeEngine.syncs == before + 1
+    assert torch.equal(state.engine.model.model.embed_tokens.weight, state.policy.model.embed_tokens.weight)
+    assert not torch.equal(synced, state.policy.model.embed_tokens.weight)  # the update moved the weights
+    own, own_batch = prepared(make_cfg(["loss.beta=0"], cache_dir=str(tmp_path / "cache")), tmp_path / "b")
+    assert own_batch.old_logp is None  # the trainer's own engine: old log-probs come free from the update
+
+
+def test_a_run_generates_only_through_its_engine(tmp_path):
+    run(make_cfg(["++engine._target_=helpers.RemoteLikeEngine", "steps=2"], cache_dir=str(tmp_path / "c")),
+        str(tmp_path / "run"))
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[1]["train/ratio_dev"] == pytest.approx(0.0, abs=1e-6)  # recomputed old log-probs match
+    assert "eval/accuracy" in lines[2]
+
+
+def test_a_component_missing_a_declared_attribute_is_named():
+    with pytest.raises(ConfigError, match=r"advantage: OldStylePlugin lacks needs_step_rewards .*subclass it"):
+        validate(make_cfg(["++advantage._target_=helpers.OldStylePlugin"]))
+
+
+def test_plugin_loss_by_hydra_searchpath(tmp_path):
+    """A new loss is a class plus a YAML: vanilla policy gradient, -ratio * A, with its own statistic."""
+    pkg = tmp_path / "src"
+    (pkg / "my_losses").mkdir(parents=True)
+    (pkg / "my_losses" / "__init__.py").write_text(
+        "import torch\n"
+        "from rlkit.losses import Regularised\n\n"
+        "class VanillaPG(Regularised):\n"
+        "    def surrogate(self, logp, old_logp, adv, mask):\n"
+        "        ratio = torch.exp(logp - old_logp)\n"
+        "        return -ratio * adv, {'pos_adv_frac': (adv > 0).float()}\n")
+    (tmp_path / "conf" / "loss").mkdir(parents=True)
+    (tmp_path / "conf" / "loss" / "vpg.yaml").write_text("_target_: my_losses.VanillaPG\nbeta: 0.0\n")
+    out = cli(["loss=vpg", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"], tmp_path / "run", PYTHONPATH=str(pkg))
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert 0 <= line["train/pos_adv_frac"] <= 1 and "train/loss" in line
