@@ -126,17 +126,15 @@ class RunDirLock:
 
 
 def check_encodable(tokenizer, splits: dict) -> None:
-    """Every prompt must encode without the tokenizer's unknown token; names the split, row and characters."""
-    unk = tokenizer.unk_token_id
-    if unk is None:
-        return
+    """Every prompt must survive encoding: a character that comes back as the unknown token or not at
+    all is named with its split and row."""
     for name, split in splits.items():
-        for i, ids in enumerate(tokenizer(list(split["prompt"]))["input_ids"]):
-            if unk in ids:
-                text = split[i]["prompt"]
-                bad = sorted({c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]})
-                raise ConfigError(f"task.{name} row {i} ({text!r}) has characters the tokenizer cannot encode: "
-                                  f"{bad or 'unknown token'}")
+        prompts = [str(p) for p in split["prompt"]]
+        decoded = tokenizer.batch_decode(tokenizer(prompts, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        for i, (text, back) in enumerate(zip(prompts, decoded)):
+            lost = sorted(set(text) - set(back) - set(" \t\n"))
+            if lost:
+                raise ConfigError(f"task.{name} row {i} ({text!r}) has characters the tokenizer cannot encode: {lost}")
 
 
 def check_context(tokenizer, model, splits: dict, max_new_tokens: int) -> None:

@@ -170,11 +170,17 @@ class ComposeCheck(Callback):
 
 
 def discard_if_empty(run_dir: str) -> None:
-    """Remove a run directory that holds nothing but Hydra's own files (a run refused before it began)."""
-    path = Path(run_dir)
-    if path.resolve() != Path.cwd().resolve() and path.is_dir() and \
-            {p.name for p in path.iterdir()} <= {".hydra", "train.log", ".rlkit.lock"}:
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove a run directory that holds nothing but Hydra's own files (a run refused before it began),
+    and the folders above it that this leaves empty, up to the working directory."""
+    path, cwd = Path(run_dir).resolve(), Path.cwd().resolve()
+    if path == cwd or cwd not in path.parents or not path.is_dir() or \
+            not {p.name for p in path.iterdir()} <= {".hydra", "train.log", ".rlkit.lock"}:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    for parent in path.parents:
+        if parent == cwd or any(parent.iterdir()):
+            break
+        parent.rmdir()
 
 
 def hydra_run_info() -> dict:

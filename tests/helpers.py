@@ -64,3 +64,17 @@ class OldStylePlugin:
 
     def __call__(self, rollout, values=None):
         return rollout.completion_mask.float()
+
+
+class WrongShape(AdvantageEstimator):
+    """An estimator with a bug: advantages of the wrong shape ('n': [N], 'n1': [N, 1], 'pg': [P, G]) or
+    an exception ('raise')."""
+
+    def __init__(self, shape: str = "n"):
+        self.shape = shape
+
+    def __call__(self, rollout, values=None):
+        rewards = rollout.rewards.float()  # [N]
+        if self.shape == "raise":
+            raise IndexError("plugin bug")
+        return {"n": rewards, "n1": rewards[:, None], "pg": rewards.view(-1, rollout.group_size)}[self.shape]
