@@ -78,3 +78,21 @@ class WrongShape(AdvantageEstimator):
         if self.shape == "raise":
             raise IndexError("plugin bug")
         return {"n": rewards, "n1": rewards[:, None], "pg": rewards.view(-1, rollout.group_size)}[self.shape]
+
+
+def write_plugin(root, module: str, source: str, group: str, option: str, yaml: str):
+    """A plugin as a user writes it: `root/module/__init__.py` and `root/my_conf/group/option.yaml`.
+    Returns the folder to put on the import path and the config folder for hydra.searchpath."""
+    (root / module).mkdir(parents=True)
+    (root / module / "__init__.py").write_text(source)
+    (root / "my_conf" / group).mkdir(parents=True)
+    (root / "my_conf" / group / f"{option}.yaml").write_text(yaml)
+    return root, root / "my_conf"
+
+
+SIGN_ONLY = ("from rlkit.advantages import centred, grouped, per_token\n"
+             "from rlkit.components import AdvantageEstimator\n\n"
+             "class SignOnly(AdvantageEstimator):\n"
+             "    def __call__(self, rollout, values=None):\n"
+             "        diff, _ = centred(grouped(rollout))\n"
+             "        return per_token(diff.sign(), rollout)\n")

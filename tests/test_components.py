@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import helpers
+from helpers import write_plugin
 from conftest import make_cfg
 from rlkit.config import ConfigError, validate
 from rlkit.setup import setup
@@ -49,18 +50,15 @@ def test_a_component_missing_a_declared_attribute_is_named():
 
 def test_plugin_loss_by_hydra_searchpath(tmp_path):
     """A new loss is a class plus a YAML: vanilla policy gradient, -ratio * A, with its own statistic."""
-    pkg = tmp_path / "src"
-    (pkg / "my_losses").mkdir(parents=True)
-    (pkg / "my_losses" / "__init__.py").write_text(
-        "import torch\n"
-        "from rlkit.losses import Regularised\n\n"
-        "class VanillaPG(Regularised):\n"
-        "    def surrogate(self, logp, old_logp, adv, mask):\n"
-        "        ratio = torch.exp(logp - old_logp)\n"
-        "        return -ratio * adv, {'pos_adv_frac': (adv > 0).float()}\n")
-    (tmp_path / "conf" / "loss").mkdir(parents=True)
-    (tmp_path / "conf" / "loss" / "vpg.yaml").write_text("_target_: my_losses.VanillaPG\nbeta: 0.0\n")
-    out = cli(["loss=vpg", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"], tmp_path / "run", PYTHONPATH=str(pkg))
+    pkg, conf = write_plugin(tmp_path / "src", "my_losses",
+                             "import torch\n"
+                             "from rlkit.losses import Regularised\n\n"
+                             "class VanillaPG(Regularised):\n"
+                             "    def surrogate(self, logp, old_logp, adv, mask):\n"
+                             "        ratio = torch.exp(logp - old_logp)\n"
+                             "        return -ratio * adv, {'pos_adv_frac': (adv > 0).float()}\n",
+                             "loss", "vpg", "_target_: my_losses.VanillaPG\nbeta: 0.0\n")
+    out = cli(["loss=vpg", f"hydra.searchpath=[file://{conf}]"], tmp_path / "run", PYTHONPATH=str(pkg))
     assert out.returncode == 0, out.stderr[-2000:]
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
     assert 0 <= line["train/pos_adv_frac"] <= 1 and "train/loss" in line

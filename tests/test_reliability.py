@@ -226,3 +226,23 @@ def test_fuzzed_overrides_run_or_fail_with_a_clear_error(tmp_path_factory, picks
         assert str(e), overrides
         FUZZ_COUNTS["clean_error"] += 1
     print(f"fuzz: {FUZZ_COUNTS}")
+
+
+FIELDS = ["1+1=", "2+3=", "é+1=", "", "12", 7, 3.5, None, "ü"]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(["ok", "n", "n1", "pg", "raise"]),
+       st.lists(st.tuples(st.sampled_from(FIELDS), st.sampled_from(FIELDS)), min_size=1, max_size=4))
+def test_fuzzed_plugins_and_data_files_run_or_fail_with_rlkits_message(tmp_path_factory, shape, rows):
+    """Plugin estimators with wrong output shapes, and data files with numeric, empty and non-ASCII
+    fields: each example runs or stops with rlkit's own error, never a traceback from deep inside."""
+    run_dir = tmp_path_factory.mktemp("fuzz")
+    data = [{"prompt": p, "answer": a} for p, a in rows]
+    plugin = [] if shape == "ok" else ["++advantage._target_=helpers.WrongShape", f"++advantage.shape={shape}",
+                                       "~advantage.std", "~advantage.eps", "~advantage.std_scope"]
+    try:
+        run(make_cfg(["steps=1", *plugin, *file_task(run_dir, data + GOOD, data)]), str(run_dir / "run"))
+        assert shape == "ok"
+    except (ConfigError, TaskError) as e:
+        assert str(e)

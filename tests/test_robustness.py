@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import FAST, make_cfg
+from helpers import SIGN_ONLY, write_plugin
 from rlkit.compare import main as compare_main
 from rlkit.config import ConfigError
 from rlkit.guards import EXIT_BAD_INPUT, EXIT_PREEMPTED, RunDirLock
@@ -154,16 +155,7 @@ def test_the_readme_plugin_example_runs_from_the_console_script(tmp_path):
     exe = shutil.which("rlkit-train")
     if exe is None:
         pytest.skip("rlkit-train is not installed")
-    (tmp_path / "my_estimators").mkdir()
-    (tmp_path / "my_estimators" / "__init__.py").write_text(
-        "from rlkit.advantages import centred, grouped, per_token\n"
-        "from rlkit.components import AdvantageEstimator\n\n"
-        "class SignOnly(AdvantageEstimator):\n"
-        "    def __call__(self, rollout, values=None):\n"
-        "        diff, _ = centred(grouped(rollout))\n"
-        "        return per_token(diff.sign(), rollout)\n")
-    (tmp_path / "my_conf" / "advantage").mkdir(parents=True)
-    (tmp_path / "my_conf" / "advantage" / "sign.yaml").write_text("_target_: my_estimators.SignOnly\n")
+    write_plugin(tmp_path, "my_estimators", SIGN_ONLY, "advantage", "sign", "_target_: my_estimators.SignOnly\n")
     out = cli(["advantage=sign", "hydra.searchpath=[file://my_conf]", *FAST, "steps=1", "warm_start.steps=0",
                "hydra.run.dir=run"], tmp_path, exe=(exe,))
     assert out.returncode == 0, out.stderr[-2000:]

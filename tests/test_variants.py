@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_cfg
+from helpers import SIGN_ONLY, write_plugin
 from rlkit.train import run
 
 CONF = Path(__file__).parents[1] / "conf"
@@ -79,18 +80,9 @@ def test_installed_style_plugin_is_found_by_its_search_path_plugin(tmp_path):
 
 def test_plugin_by_hydra_searchpath(tmp_path):
     """The README's 'Write a plugin' example, written out by the test."""
-    pkg = tmp_path / "src"
-    (pkg / "my_estimators").mkdir(parents=True)
-    (pkg / "my_estimators" / "__init__.py").write_text(
-        "from rlkit.advantages import centred, grouped, per_token\n\n"
-        "class SignOnly:\n"
-        "    min_group_size = 2\n"
-        "    needs_critic = False\n\n"
-        "    def __call__(self, rollout, values=None):\n"
-        "        return per_token(centred(grouped(rollout))[0].sign(), rollout)\n")
-    (tmp_path / "conf" / "advantage").mkdir(parents=True)
-    (tmp_path / "conf" / "advantage" / "sign.yaml").write_text("_target_: my_estimators.SignOnly\n")
-    out = cli(["advantage=sign", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"], tmp_path / "run", PYTHONPATH=str(pkg))
+    pkg, conf = write_plugin(tmp_path / "src", "my_estimators", SIGN_ONLY, "advantage", "sign",
+                             "_target_: my_estimators.SignOnly\n")
+    out = cli(["advantage=sign", f"hydra.searchpath=[file://{conf}]"], tmp_path / "run", PYTHONPATH=str(pkg))
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])["train/num_rows"] == 4
 

@@ -2,14 +2,14 @@
 import torch
 
 from rlkit.advantages import centred, grouped, per_token
+from rlkit.components import AdvantageEstimator
 
 
-class ReinforcePPBaseline:
+class ReinforcePPBaseline(AdvantageEstimator):
     """Subtract the group mean, then divide by the std of the whole batch (not of the group as
     GRPO does), so low-variance groups are not up-weighted."""
 
     min_group_size = 2
-    needs_critic = False
 
     def __init__(self, eps: float = 1e-6):
         self.eps = eps
