@@ -1,6 +1,6 @@
 """`rlkit-compare`: group run directories by config keys and write a Markdown table and PNG plots.
 
-    rlkit-compare multirun/2026-11-30/10-00-00 --by algo --metric eval/accuracy --threshold 0.4
+    rlkit-compare multirun/2026-11-30/10-00-00 --by algo --metric eval/accuracy --threshold 0.4 --baseline grpo
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rlkit import stats
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond
 T95 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
@@ -125,36 +127,113 @@ def table(groups: dict, by: list[str], metrics: list[str], threshold: float | No
     return "\n".join(lines) + "\n"
 
 
-def plot(groups: dict, by: list[str], metric: str, path: Path) -> None:
-    """Mean of `metric` over steps per group, with a shaded 95% band over runs."""
+def x_of(run: Run, axis: str) -> dict:
+    """Step -> horizontal position: the step, generated tokens so far, or wall seconds so far."""
+    steps = sorted({s for series in run.history.values() for s, _ in series})
+    if axis == "step":
+        return {s: float(s) for s in steps}
+    per_step = dict(run.history.get({"tokens": "train/gen_tokens", "time": "time/step"}[axis], []))
+    total, out = 0.0, {}
+    for s in steps:
+        total += per_step.get(s, 0.0)
+        out[s] = total
+    return out
+
+
+def smoothed(series: list[tuple[int, float]], k: int) -> list[tuple[int, float]]:
+    """Trailing moving average over the last k logged values (k <= 1: unchanged)."""
+    if k <= 1:
+        return series
+    values = [v for _, v in series]
+    return [(s, sum(values[max(0, i - k + 1):i + 1]) / (i + 1 - max(0, i - k + 1))) for i, (s, _) in enumerate(series)]
+
+
+def curve(runs: list[Run], metric: str, axis: str, smooth: int):
+    """Mean and 95% band over runs. By step: at the steps every run logged; by tokens or time: each
+    run interpolated onto a common grid up to the shortest run's end.  -> (x, mean, half-width)"""
+    import numpy as np
+    series = [smoothed(r.history.get(metric, []), smooth) for r in runs]
+    if not all(series):
+        return None
+    if axis == "step":
+        common = sorted(set.intersection(*({s for s, _ in ser} for ser in series)))
+        if not common:
+            return None
+        table_ = [dict(ser) for ser in series]
+        stats = [mean_ci([t[s] for t in table_]) for s in common]
+        x = [float(s) for s in common]
+    else:
+        xs = [[x_of(r, axis)[s] for s, _ in ser] for r, ser in zip(runs, series)]
+        end = min(x[-1] for x in xs)
+        grid = np.linspace(0, end, 60)
+        ys = [np.interp(grid, x, [v for _, v in ser]) for x, ser in zip(xs, series)]
+        stats = [mean_ci([float(y[i]) for y in ys]) for i in range(len(grid))]
+        x = grid.tolist()
+    return x, [m for m, _ in stats], [0.0 if math.isnan(c) else c for _, c in stats]
+
+
+def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step", smooth: int = 1) -> None:
+    """Mean of `metric` per group with a shaded 95% band over runs. Up to three groups share one
+    panel; more get a panel each, with the other groups' means in grey behind, so bands stay readable."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curves = {}
     for key, runs in groups.items():
-        by_step = defaultdict(list)
-        for r in runs:
-            for s, v in r.history.get(metric, []):
-                by_step[s].append(v)
-        steps = sorted(s for s, vs in by_step.items() if len(vs) == len(runs))
-        if not steps:
+        c = curve(runs, metric, axis, smooth)
+        if c is None:
             print(f"rlkit-compare: {metric}: no step where all {len(runs)} runs of {key} logged it; not drawn",
                   file=sys.stderr)
             continue
-        stats = [mean_ci(by_step[s]) for s in steps]
-        mean = [m for m, _ in stats]
-        ci = [0.0 if math.isnan(c) else c for _, c in stats]
-        label = ", ".join(f"{k}={v}" for k, v in zip(by, key))
-        [line] = ax.plot(steps, mean, label=f"{label} (n={len(runs)})")
-        ax.fill_between(steps, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)],
-                        color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        curves[key] = (c, len(runs))
+    panels = list(curves) if len(curves) > 3 else [None]
+    cols = min(len(panels), 3)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols if cols > 1 else 7, 3.6 * rows if rows > 1 else 4.5),
+                             sharex=True, sharey=True, squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, panel in zip(axes.flat, panels):
+        for i, (key, ((x, mean, ci), n)) in enumerate(curves.items()):
+            label = f"{', '.join(f'{k}={v}' for k, v in zip(by, key))} (n={n})"
+            if panel is not None and key != panel:
+                ax.plot(x, mean, color="0.75", lw=1)
+                continue
+            colour = colours[i % len(colours)]
+            ax.plot(x, mean, color=colour, label=label)
+            ax.fill_between(x, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)], color=colour,
+                            alpha=0.15)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel({"step": "step", "tokens": "generated tokens", "time": "wall time (s)"}[axis])
+    for ax in axes[:, 0]:
+        ax.set_ylabel(metric + (f" (moving average of {smooth})" if smooth > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def differences(groups: dict, by: list[str], metrics: list[str], baseline: str, lower: set) -> str:
+    """For each group against the baseline group: the difference in each metric's final and best
+    value, with its 95% CI and p-value (paired by seed where possible), in plain words."""
+    names = {", ".join(key): key for key in groups}
+    if baseline not in names:
+        raise SystemExit(f"rlkit-compare: --baseline {baseline!r} is not a group; groups: {', '.join(names)}")
+    base = groups[names[baseline]]
+    lines = []
+    for name, key in names.items():
+        if name == baseline:
+            continue
+        for m in metrics:
+            best = min if m in lower else max
+            for what, pick in (("final", lambda s: s[-1][1]), ("best", lambda s: best(v for _, v in s))):
+                values = lambda runs: [(r.keys.get("seed", r.name), pick(r.history[m])) for r in runs  # noqa: E731
+                                       if r.history.get(m)]
+                d = stats.compare(values(base), values(groups[key]))
+                lines.append(f"- {d.verdict(f'{what} {m}: {name} - {baseline}')}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lower", nargs="*", default=[], help="metrics where lower is better")
     p.add_argument("--out", type=Path, help="output directory (default: <first path>/compare)")
     p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs from a wandb project instead of directories")
+    p.add_argument("--baseline", metavar="GROUP", help="compare every other group with this one (e.g. grpo, or "
+                   "'grpo, 0.04' for two --by keys): difference, 95%% CI, p-value, seeds for 80%% power")
+    p.add_argument("--x", choices=["step", "tokens", "time"], default="step",
+                   help="plots' horizontal axis: RL step, generated tokens (kept or not), or wall time")
+    p.add_argument("--smooth", type=int, default=1, metavar="K", help="moving average over K logged values in plots")
     a = p.parse_args(argv)
     if not a.paths and not a.wandb:
         p.error("give run directories or --wandb ENTITY/PROJECT")
@@ -176,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or (a.paths[0] / "compare" if a.paths else Path("compare"))
     out.mkdir(parents=True, exist_ok=True)
     md = table(groups, a.by, a.metric, a.threshold, set(a.lower))
+    if a.baseline:
+        md += f"\nAgainst {a.baseline}:\n\n" + differences(groups, a.by, a.metric, a.baseline, set(a.lower))
     images = []
     for m in a.metric:
-        png = out / (m.replace("/", "_") + ".png")
-        plot(groups, a.by, m, png)
+        png = out / (m.replace("/", "_") + (f"_by_{a.x}" if a.x != "step" else "") + ".png")
+        plot(groups, a.by, m, png, a.x, a.smooth)
         images.append(f"![{m}]({png.name})")
     (out / "compare.md").write_text(f"# {len(runs)} runs by {', '.join(a.by)}\n\n{md}\n" + "\n".join(images) + "\n")
     print(md)

@@ -34,7 +34,23 @@ def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
         "train/adv_std": float(adv[mask].std()) if mask.sum() > 1 else 0.0,
         "train/frac_zero_adv_groups": mean_or_zero((seq_adv.view(-1, r.group_size) == 0).all(1)),
         "train/num_rows": int(rewards.numel()),
+        **by_difficulty(r.rows, correct.float(), "train/acc"),
     }
+
+
+def difficulties(rows: list[dict]) -> torch.Tensor | None:
+    """Each row's `difficulty` (a task column, e.g. the number of terms), or None when the task has none.  -> [N]"""
+    if not rows or "difficulty" not in rows[0]:
+        return None
+    return torch.tensor([float(r["difficulty"]) for r in rows])
+
+
+def by_difficulty(rows: list[dict], values: torch.Tensor, name: str, reduce=mean_or_zero) -> dict:
+    """`name` + `_d<k>` for each difficulty k: `reduce` of the values of its rows.  values: [N]"""
+    d = difficulties(rows)
+    if d is None:
+        return {}
+    return {f"{name}_d{int(k)}": reduce(values[d == k]) for k in d.unique().tolist()}
 
 
 def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict:
@@ -48,8 +64,11 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
     short = lengths <= lengths.median()  # [N]
     mask = r.completion_mask.bool()  # [N, Tc]
     per_token = lambda rows: mean_or_zero(eff[rows][mask[rows]].abs())  # noqa: E731
+    magnitude = eff.abs().sum(-1)  # [N]
+    share = lambda x: float(x.sum() / magnitude.sum()) if magnitude.sum() > 0 else 0.0  # noqa: E731
     return {"weight/correct_sum": float(per_seq[correct].sum()), "weight/incorrect_sum": float(per_seq[~correct].sum()),
-            "weight/short_token_mean": per_token(short), "weight/long_token_mean": per_token(~short)}
+            "weight/short_token_mean": per_token(short), "weight/long_token_mean": per_token(~short),
+            **by_difficulty(r.rows, magnitude, "weight/share", share)}
 
 
 def samples(r: Rollout, adv: torch.Tensor, per_group: int = 2, groups: int = 8) -> list[dict]:

@@ -57,6 +57,7 @@ class RunState:
     first_eval: dict = field(default_factory=dict)
     last_eval: dict = field(default_factory=dict)
     timer: Any = None
+    gen_tokens: int = 0                  # completion tokens generated in this step, kept or not
     t0: float = field(default_factory=time.perf_counter)  # this session's start
     wall_before: float = 0.0             # wall seconds of earlier sessions (resume)
     finished_before: bool = False        # resumed from the final checkpoint: nothing left to train

@@ -77,7 +77,9 @@ class UpdateStats:
 
 def collect(run: RunState) -> tuple[Rollout, dict]:
     run.policy.eval()
-    return run.sampler.sample(lambda rows: make_rollout(run, rows))
+    run.gen_tokens = 0
+    rollout, metrics = run.sampler.sample(lambda rows: make_rollout(run, rows))
+    return rollout, {**metrics, "train/gen_tokens": run.gen_tokens}  # generated, kept or not
 
 
 def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
@@ -85,6 +87,7 @@ def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
     rows = [row for row in rows for _ in range(G)]  # N rows, each group contiguous
     with run.timer("generate"):
         gen = run.engine.generate([r["prompt"] for r in rows], R.max_new_tokens, R.temperature, R.top_p)
+        run.gen_tokens += int(gen.completion_mask.sum())
     with run.timer("score"):
         texts = run.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         r = Rollout(*gen, G, rows, texts, run.task.score(rows, texts).to(run.device))

@@ -23,7 +23,8 @@ def _parse_int(text: str) -> int | None:
 
 class Arithmetic(Task):
     """Sums of `min_terms`..`max_terms` integers in [0, `max_operand`]; reward 1 for the right
-    final answer, 0 for a wrong or malformed one."""
+    final answer, 0 for a wrong or malformed one. Each row's `difficulty` is its number of terms,
+    so metrics split by it (`train/acc_d3`, `eval/acc_d3`, ...)."""
 
     alphabet = ALPHABET
 
@@ -38,7 +39,7 @@ class Arithmetic(Task):
 
         def draw() -> dict:
             terms = [rng.randint(0, max_operand) for _ in range(rng.randint(min_terms, max_terms))]
-            return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms))}
+            return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)), "difficulty": len(terms)}
 
         space = sum((max_operand + 1) ** k for k in range(min_terms, max_terms + 1))
         if n_eval >= space:

@@ -8,7 +8,8 @@ from rlkit.tasks.base import Task, TaskError
 
 class FileTask(Task):
     """Prompts and reference answers from local files (or a hub data set id when online);
-    reward 1 when the completion, stripped, equals the answer."""
+    reward 1 when the completion, stripped, equals the answer. An optional `difficulty` column
+    splits the metrics by its values."""
 
     def __init__(self, train_path: str, eval_path: str, format: str = "json", prompt_key: str = "prompt",
                  answer_key: str = "answer"):
@@ -20,7 +21,8 @@ class FileTask(Task):
             for key, col in ((prompt_key, "prompt"), (answer_key, "answer")):
                 if key not in split.column_names:
                     raise TaskError(f"task.{name} has no '{key}' column (columns: {split.column_names})")
-            split = split.select_columns([prompt_key, answer_key])
+            extra = ["difficulty"] if "difficulty" in split.column_names else []  # optional: metrics split by it
+            split = split.select_columns([prompt_key, answer_key, *extra])
             if (prompt_key, answer_key) != ("prompt", "answer"):
                 split = split.rename_columns({prompt_key: "prompt", answer_key: "answer"})
             for col in ("prompt", "answer"):  # numbers in a CSV or JSON file are text to the policy
