@@ -24,8 +24,9 @@ def test_a_few_steps_change_the_weights_and_write_loadable_checkpoints(fast_cfg,
     for key in ("train/reward", "train/reward_std", "train/frac_zero_std_groups", "train/completion_len", "train/kl",
                 "train/entropy", "train/clip_frac_low", "train/clip_frac_high", "train/grad_norm",
                 "time/generate", "time/update", "time/step", "perf/tokens_per_s", "eval/accuracy",
-                "eval/len_correct", "eval/len_incorrect"):
+                "eval/len_correct", "eval/len_incorrect", "eval/acc_d2", "train/acc_d2", "weight/share_d2"):
         assert key in lines[1], key
+    assert lines[1]["train/gen_tokens"] == sum(l["train/completion_len"] for l in lines[1:2]) * 16  # 4 prompts x 4
     assert summary["accuracy_before"] == lines[0]["eval/accuracy"]
     assert lines[1]["train/ratio_dev"] == 0.0  # one update per rollout: old log-probs are the update's own
     ckpt = run_dir / "checkpoints" / "step_000003" / "policy"
