@@ -90,6 +90,26 @@ class Engine(Protocol):
     def load_weights(self, policy: torch.nn.Module) -> None: ...
 
 
+class Model(Protocol):
+    """Group `model`: builds the policy and its tokenizer, the frozen reference (only when loss.beta
+    > 0), loads checkpointed weights back, and formats a prompt for the model (e.g. a chat template)."""
+
+    def build(self, alphabet: str, seed: int) -> tuple: ...  # (policy, tokenizer)
+    def reference(self, policy: torch.nn.Module) -> torch.nn.Module: ...
+    def load(self, policy: torch.nn.Module, path) -> None: ...
+    def format_prompt(self, tokenizer, prompt: str) -> str: ...
+
+
+class RewardFunction(Protocol):
+    """One weighted term of a task's reward (`reward.functions.<name>`, e.g. from group `rewards`):
+    `fn(row, completion, task) -> float`, logged as `reward/<name>`."""
+
+    weight: float = 1.0
+
+    def __call__(self, row: dict, completion: str, task) -> float: ...
+
+
+
 def check(obj, kind: type, key: str) -> None:
     """Fail naming the config key when `obj` (a class or an instance) lacks what `kind` declares."""
     from rlkit.config import ConfigError  # rlkit.config imports this module

@@ -2,7 +2,6 @@
 the Hydra app's paths. `setup` returns the one `RunState` that the loop's phases share."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import os
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from datasets import Dataset
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rlkit import checkpoint
-from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, Sampler
+from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, Model, PolicyLoss, Sampler
 from rlkit.config import ConfigError, build, resolved
 from rlkit.evaluate import evaluate
 from rlkit.guards import (NonFiniteError, NonFiniteGuard, all_finite, check_context, check_encodable, check_resume,
@@ -39,6 +39,7 @@ class RunState:
     run_dir: str
     device: torch.device
     task: Task
+    model: Model                         # the model component: reference, loading weights
     policy: torch.nn.Module
     tokenizer: Any
     engine: Engine
@@ -47,6 +48,7 @@ class RunState:
     advantage: AdvantageEstimator
     aggregator: Aggregator
     loss: PolicyLoss
+    reward_fns: dict                     # name -> RewardFunction; {} = the task's own reward
     sampler: Sampler
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LambdaLR
@@ -87,22 +89,28 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None) -> RunState:
     advantage, aggregator, loss = build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss")
     # a warm-started policy starts from warm_start.seed, so every RL seed shares it
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
-    policy, tokenizer = build(cfg, "model").build(task.alphabet, init_seed)
+    model = build(cfg, "model")
+    policy, tokenizer = model.build(task.alphabet, init_seed)
+    if model.format_prompt(tokenizer, "1") != "1":  # e.g. a chat template: format every prompt once
+        task.train, task.eval = (Dataset.from_list([{**r, "prompt": model.format_prompt(tokenizer, r["prompt"])}
+                                                    for r in split]) for split in (task.train, task.eval))
     splits = {"train": task.train, "eval": task.eval}
     check_encodable(tokenizer, splits)
     check_context(tokenizer, policy, splits, R.max_new_tokens)
     warm = warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)},
                       stop)
     policy.to(device)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False) if loss.beta > 0 else None
+    ref = model.reference(policy) if loss.beta > 0 else None
     critic = build(cfg, "critic", policy=policy, max_grad_norm=O.max_grad_norm) if advantage.needs_critic else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
     sampler = build(cfg, "sampler", dataset=task.train, batch_size=R.prompts_per_step, seed=cfg.seed)
     engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
     seed_everything(cfg.seed)
-    run = RunState(cfg, run_dir, device, task, policy, tokenizer, engine, ref, critic, advantage, aggregator, loss,
-                   sampler, optimizer, schedule, guard=NonFiniteGuard(O.max_nonfinite),
+    reward_fns = {name: build(cfg, f"reward.functions.{name}") for name in cfg.reward.functions}
+    run = RunState(cfg, run_dir, device, task, model, policy, tokenizer, engine, ref, critic, advantage, aggregator, loss,
+                   reward_fns, sampler, optimizer, schedule, guard=NonFiniteGuard(O.max_nonfinite),
                    eval_kw=dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens))
     state = resume(run) if cfg.checkpoint.resume else {}
     run.logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=run.start,
@@ -127,7 +135,7 @@ def resume(run: RunState) -> dict:
         return {}
     state = checkpoint.load_state(last)
     check_resume(state.get("config"), resolved(run.cfg), last)
-    run.policy.load_state_dict(type(run.policy).from_pretrained(last / "policy").state_dict())
+    run.model.load(run.policy, last / "policy")
     run.optimizer.load_state_dict(state["optimizer"])
     run.schedule.load_state_dict(state["schedule"])
     if run.critic is not None:

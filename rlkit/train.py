@@ -23,8 +23,8 @@ from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
 from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RunDirLock,
                           StopSignals, checked_advantages, check_writable, finite)
-from rlkit.metrics import rollout_metrics, samples, weight_metrics
-from rlkit.rewards import overlong_penalty
+from rlkit.metrics import reward_metrics, rollout_metrics, samples, weight_metrics
+from rlkit.rewards import overlong_penalty, score
 from rlkit.rollout import Rollout, rollout_logprobs, step_reward_matrix
 from rlkit.setup import ComposeCheck, RunState, config_path, discard_if_empty, hydra_run_info, save_checkpoint, setup
 from rlkit.config import ConfigError, validate
@@ -90,7 +90,8 @@ def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
         run.gen_tokens += int(gen.completion_mask.sum())
     with run.timer("score"):
         texts = run.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        r = Rollout(*gen, G, rows, texts, run.task.score(rows, texts).to(run.device))
+        rewards, parts = score(run.task, run.reward_fns, run.cfg.reward.combine, rows, texts, G)  # [N], [N, K]
+        r = Rollout(*gen, G, rows, texts, rewards.to(run.device), reward_parts=parts)
         if run.cfg.reward.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, run.cfg.reward.overlong_cache)  # [N]
         if run.advantage.needs_step_rewards:
@@ -188,6 +189,7 @@ def log(run: RunState, step: int, rollout: Rollout, batch: Batch | None, stats: 
         metrics["train/skipped_empty_batch"] = 1
     else:
         metrics.update(rollout_metrics(rollout, batch.adv))
+        metrics.update(reward_metrics(rollout, list(run.reward_fns)))
     if batch is not None and not stats.skipped:
         metrics.update(weight_metrics(rollout, batch.adv, run.aggregator.token_weights(batch.mask)))
         metrics.update({f"train/{k}": v / max(stats.tokens, 1.0) for k, v in stats.sums.items()})
@@ -196,6 +198,7 @@ def log(run: RunState, step: int, rollout: Rollout, batch: Batch | None, stats: 
     if stats.value_losses:
         metrics.update({"train/value_loss": sum(stats.value_losses) / len(stats.value_losses),
                         "train/explained_variance": explained_variance(batch.old_values, batch.returns, batch.mask)})
+    metrics.update(run.task.step_metrics())
     metrics.update({f"time/{k}": v for k, v in run.timer.items()})
     metrics["perf/tokens_per_s"] = float(rollout.completion_mask.sum()) / run.timer["step"]
     cfg = run.cfg
