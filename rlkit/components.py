@@ -24,6 +24,7 @@ class AdvantageEstimator(Protocol):
     min_group_size: int = 2          # rollout.group_size is checked against it before any model is built
     needs_critic: bool = False       # the core builds the `critic` component and passes its values
     needs_step_rewards: bool = False  # the core scores each reasoning step (rollout.step_rewards, step_mask)
+    data_parallel: bool = True       # exact when each rank sees only its own groups (torchrun)
 
     def __call__(self, rollout: Rollout, values: torch.Tensor | None = None): ...
 
@@ -41,6 +42,7 @@ class Sampler(Protocol):
     often as it likes and returns the rollout to train on with its own metrics."""
 
     min_group_size: int = 1
+    data_parallel: bool = True       # its choices can be made on each rank's share alone (torchrun)
 
     def sample(self, make_rollout: Callable[[list[dict]], Rollout]) -> tuple[Rollout, dict]: ...
     def state_dict(self) -> dict: ...

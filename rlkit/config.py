@@ -184,8 +184,8 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Every check that needs no model: runs before anything expensive."""
+def validate(cfg: DictConfig, world: int = 1) -> None:
+    """Every check that needs no model: runs before anything expensive. `world`: processes (torchrun)."""
     r, op = cfg.rollout, cfg.optim
     _check(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
     _check(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
@@ -220,7 +220,13 @@ def validate(cfg: DictConfig) -> None:
     if target_class(cfg, "advantage").needs_critic:
         _check(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")
         check(target_class(cfg, "critic"), Critic, "critic")
-    check(build(cfg, "advantage"), AdvantageEstimator, "advantage")
+    advantage = build(cfg, "advantage")
+    check(advantage, AdvantageEstimator, "advantage")
+    if world > 1:
+        _check(r.prompts_per_step % world == 0,
+               f"rollout.prompts_per_step={r.prompts_per_step} must divide among {world} processes")
+        for g, ok in (("advantage", advantage.data_parallel), ("sampler", target_class(cfg, "sampler").data_parallel)):
+            _check(ok, f"{g}={cfg[g]._target_} does not run data-parallel yet; use one process")
     check(build(cfg, "aggregator"), Aggregator, "aggregator")
     check(build(cfg, "loss"), PolicyLoss, "loss")
     for name in cfg.reward.functions:
