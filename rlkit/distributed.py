@@ -19,6 +19,13 @@ def init(device: str) -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def local_device(device: str) -> str:
+    """`cuda` means this process's own GPU (`cuda:LOCAL_RANK`) when torchrun started several."""
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
 def size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 

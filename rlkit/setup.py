@@ -86,7 +86,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
     if cfg.threads or run_info.get("threads"):
         torch.set_num_threads(cfg.threads or run_info["threads"])
     R, O = cfg.rollout, cfg.optim
-    device = torch.device(cfg.device)
+    device = torch.device(distributed.local_device(cfg.device))
     task = build(cfg, "task")
     task.check_splits()
     advantage, aggregator, loss = build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss")
