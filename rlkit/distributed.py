@@ -15,6 +15,8 @@ import torch.nn.functional as F
 def init(device: str) -> tuple[int, int]:
     """Join the process group torchrun describes (WORLD_SIZE > 1); returns (rank, world size)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(local_device(device)))
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
