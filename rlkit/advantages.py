@@ -52,6 +52,7 @@ class GRPO(AdvantageEstimator):
         if std_scope not in ("group", "batch"):
             raise ValueError(f"advantage.std_scope must be 'group' or 'batch', got {std_scope!r}")
         self.unbiased, self.eps, self.batch_std = std == "sample", eps, std_scope == "batch"
+        self.data_parallel = not self.batch_std  # a batch std would need every rank's rewards
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
         rewards = grouped(r)  # [P, G]
@@ -98,6 +99,7 @@ class GAE(AdvantageEstimator):
 
     min_group_size = 1
     needs_critic = True
+    data_parallel = False  # whitening over the batch needs every rank's advantages
 
     def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten

@@ -24,6 +24,7 @@ class AdvantageEstimator(Protocol):
     min_group_size: int = 2          # rollout.group_size is checked against it before any model is built
     needs_critic: bool = False       # the core builds the `critic` component and passes its values
     needs_step_rewards: bool = False  # the core scores each reasoning step (rollout.step_rewards, step_mask)
+    data_parallel: bool = True       # exact when each rank sees only its own groups (torchrun)
 
     def __call__(self, rollout: Rollout, values: torch.Tensor | None = None): ...
 
@@ -41,6 +42,7 @@ class Sampler(Protocol):
     often as it likes and returns the rollout to train on with its own metrics."""
 
     min_group_size: int = 1
+    data_parallel: bool = True       # its choices can be made on each rank's share alone (torchrun)
 
     def sample(self, make_rollout: Callable[[list[dict]], Rollout]) -> tuple[Rollout, dict]: ...
     def state_dict(self) -> dict: ...
@@ -88,6 +90,26 @@ class Engine(Protocol):
     def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0) -> Generation: ...
     def load_weights(self, policy: torch.nn.Module) -> None: ...
+
+
+class Model(Protocol):
+    """Group `model`: builds the policy and its tokenizer, the frozen reference (only when loss.beta
+    > 0), loads checkpointed weights back, and formats a prompt for the model (e.g. a chat template)."""
+
+    def build(self, alphabet: str, seed: int) -> tuple: ...  # (policy, tokenizer)
+    def reference(self, policy: torch.nn.Module) -> torch.nn.Module: ...
+    def load(self, policy: torch.nn.Module, path) -> None: ...
+    def format_prompt(self, tokenizer, prompt: str) -> str: ...
+
+
+class RewardFunction(Protocol):
+    """One weighted term of a task's reward (`reward.functions.<name>`, e.g. from group `rewards`):
+    `fn(row, completion, task) -> float`, logged as `reward/<name>`."""
+
+    weight: float = 1.0
+
+    def __call__(self, row: dict, completion: str, task) -> float: ...
+
 
 
 def check(obj, kind: type, key: str) -> None:

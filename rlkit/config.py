@@ -7,13 +7,13 @@ import inspect
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, Sampler, check
+from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, RewardFunction, Sampler, check
 from rlkit.tasks.base import TaskError
 
 
@@ -33,6 +33,8 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     overlong_cache: int = 0          # DAPO soft overlong punishment over the last k tokens of the budget; 0 = off
+    functions: Dict[str, Any] = field(default_factory=dict)  # name -> weighted reward function; {} = the task's reward
+    combine: str = "sum"             # sum (weighted sum) | normalise (z-score each term in its group, then sum)
 
 
 @dataclass
@@ -118,7 +120,7 @@ def chosen(cfg: DictConfig, key: str) -> bool:
 
 
 def target_class(cfg: DictConfig, key: str) -> type:
-    node = cfg[key]
+    node = OmegaConf.select(cfg, key)
     if node is None or "_target_" not in node:
         raise ConfigError(f"'{key}' needs a _target_ naming a class")
     try:
@@ -156,8 +158,9 @@ def _type_ok(value, hint) -> bool:
 
 
 def build(cfg: DictConfig, key: str, **runtime) -> Any:
-    """Instantiate the component at `key`; a wrong argument name or type is reported with its key."""
-    node, target = cfg[key], target_class(cfg, key)
+    """Instantiate the component at `key` (dotted for a nested one); a wrong argument name or type is
+    reported with its key."""
+    node, target = OmegaConf.select(cfg, key), target_class(cfg, key)
     params = options(target)
     for k in node if params is not None else ():
         if str(k).startswith("_") or OmegaConf.is_missing(node, k):
@@ -181,8 +184,8 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Every check that needs no model: runs before anything expensive."""
+def validate(cfg: DictConfig, world: int = 1) -> None:
+    """Every check that needs no model: runs before anything expensive. `world`: processes (torchrun)."""
     r, op = cfg.rollout, cfg.optim
     _check(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
     _check(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
@@ -200,6 +203,8 @@ def validate(cfg: DictConfig) -> None:
     _check(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
     _check(0 <= cfg.reward.overlong_cache <= r.max_new_tokens,
            f"reward.overlong_cache must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {cfg.reward.overlong_cache}")
+    _check(cfg.reward.combine in ("sum", "normalise"),
+           f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}")
     _check(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
     _check(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
     _check(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
@@ -215,9 +220,17 @@ def validate(cfg: DictConfig) -> None:
     if target_class(cfg, "advantage").needs_critic:
         _check(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")
         check(target_class(cfg, "critic"), Critic, "critic")
-    check(build(cfg, "advantage"), AdvantageEstimator, "advantage")
+    advantage = build(cfg, "advantage")
+    check(advantage, AdvantageEstimator, "advantage")
+    if world > 1:
+        _check(r.prompts_per_step % world == 0,
+               f"rollout.prompts_per_step={r.prompts_per_step} must divide among {world} processes")
+        for g, ok in (("advantage", advantage.data_parallel), ("sampler", target_class(cfg, "sampler").data_parallel)):
+            _check(ok, f"{g}={cfg[g]._target_} does not run data-parallel yet; use one process")
     check(build(cfg, "aggregator"), Aggregator, "aggregator")
     check(build(cfg, "loss"), PolicyLoss, "loss")
+    for name in cfg.reward.functions:
+        check(build(cfg, f"reward.functions.{name}"), RewardFunction, f"reward.functions.{name}")
 
 
 def resolved(cfg: DictConfig) -> dict:

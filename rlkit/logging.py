@@ -65,6 +65,21 @@ class JsonlLogger:
         pass
 
 
+class NullLogger:
+    """What ranks other than 0 log to: nothing."""
+
+    run_id = None
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
 class WandbLogger(JsonlLogger):
     """Also logs to wandb: offline unless WANDB_MODE or `mode` says otherwise. The config goes up
     flattened with the chosen option of each group (`algo`, `advantage`, ...) as its own key; in a

@@ -38,6 +38,13 @@ def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
     }
 
 
+def reward_metrics(r: Rollout, names: list[str]) -> dict:
+    """Each reward function's mean score, as `reward/<name>`."""
+    if r.reward_parts is None or not r.num_rows:
+        return {}
+    return {f"reward/{n}": float(r.reward_parts[:, k].float().mean()) for k, n in enumerate(names)}
+
+
 def difficulties(rows: list[dict]) -> torch.Tensor | None:
     """Each row's `difficulty` (a task column, e.g. the number of terms), or None when the task has none.  -> [N]"""
     if not rows or "difficulty" not in rows[0]:

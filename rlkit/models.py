@@ -1,11 +1,17 @@
-"""Policy models and tokenizers: a tiny built-in Qwen2 with a character tokenizer, or any
-Hugging Face causal LM by path or hub id."""
+"""Policy models and tokenizers (config group `model`): a tiny built-in Qwen2 with a character
+tokenizer, or any Hugging Face causal LM by path or hub id, optionally with LoRA adapters (peft).
+A model component builds the policy, its frozen reference, and loads saved weights back."""
 from __future__ import annotations
+
+import copy
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+
+from rlkit.components import Model
+from rlkit.config import ConfigError
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
@@ -20,7 +26,20 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
                                    eos_token="<eos>", unk_token="<unk>", padding_side="left")
 
 
-class TinyQwen2:
+class FullModel(Model):
+    """What a model without adapters does: the reference is a frozen copy, weights load whole."""
+
+    def reference(self, policy: torch.nn.Module) -> torch.nn.Module:
+        return copy.deepcopy(policy).eval().requires_grad_(False)
+
+    def load(self, policy: torch.nn.Module, path) -> None:
+        policy.load_state_dict(type(policy).from_pretrained(path).state_dict())
+
+    def format_prompt(self, tokenizer, prompt: str) -> str:
+        return prompt
+
+
+class TinyQwen2(FullModel):
     """A Qwen2-architecture causal LM of about 1M parameters built from a config (no download),
     with a character tokenizer over the task's alphabet."""
 
@@ -44,16 +63,66 @@ class TinyQwen2:
         return Qwen2ForCausalLM(config), tokenizer
 
 
-class Pretrained:
-    """Any Hugging Face causal LM and its tokenizer, by local path or hub id."""
+class Pretrained(FullModel):
+    """Any Hugging Face causal LM and its tokenizer, by local path or hub id. `chat_template`:
+    prompts go through the tokenizer's chat template as one user turn (when it has one).
+    `lora_r > 0` trains LoRA adapters (peft) on `lora_targets`; the base weights stay frozen, the
+    reference is the same model with its adapters disabled (no second copy in memory), and
+    checkpoints hold the adapters. `gradient_checkpointing` trades compute for memory."""
 
-    def __init__(self, path: str, dtype: str = "float32"):
-        self.path, self.dtype = path, dtype
+    def __init__(self, path: str, dtype: str = "float32", chat_template: bool = True, lora_r: int = 0,
+                 lora_alpha: int = 16, lora_dropout: float = 0.0, lora_targets: str | list = "all-linear",
+                 gradient_checkpointing: bool = False):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"model.dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}")
+        if lora_r < 0:
+            raise ValueError(f"model.lora_r must be >= 0, got {lora_r}")
+        self.path, self.dtype, self.chat_template = path, dtype, chat_template
+        targets = lora_targets if isinstance(lora_targets, str) else list(lora_targets)  # a name, or module names
+        self.lora = dict(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets)
+        self.gradient_checkpointing = gradient_checkpointing
 
     def build(self, alphabet: str, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-        tokenizer = AutoTokenizer.from_pretrained(self.path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.path)
+            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
+        except Exception as e:  # a wrong path, hub id or offline hub: say which
+            raise ConfigError(f"model.path={self.path!r} cannot be loaded: {type(e).__name__}: {e}") from e
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
+        if self.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if self.lora["r"]:
+            from peft import LoraConfig, get_peft_model
+            torch.manual_seed(seed)
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **self.lora))
         return model, tokenizer
+
+    def reference(self, policy: torch.nn.Module) -> torch.nn.Module:
+        return AdaptersOff(policy) if self.lora["r"] else super().reference(policy)
+
+    def load(self, policy: torch.nn.Module, path) -> None:
+        if not self.lora["r"]:
+            return super().load(policy, path)
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+        set_peft_model_state_dict(policy, load_file(str(path / "adapter_model.safetensors")))
+
+    def format_prompt(self, tokenizer, prompt: str) -> str:
+        if not self.chat_template or not getattr(tokenizer, "chat_template", None):
+            return prompt
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+
+
+class AdaptersOff(torch.nn.Module):
+    """The reference policy of a LoRA run: the policy itself with its adapters disabled."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = [policy]  # a list, so the policy's parameters are not registered twice
+
+    def forward(self, **kwargs):
+        with self.policy[0].disable_adapter():
+            return self.policy[0](**kwargs)

@@ -1,7 +1,12 @@
-"""Reward shaping that any run can switch on."""
+"""Reward terms and reward shaping: weighted reward functions (group `rewards`), how they combine,
+and DAPO's overlong punishment, which any run can switch on."""
 from __future__ import annotations
 
+import re
+from functools import partial
 import torch
+
+from rlkit.components import RewardFunction
 
 
 def overlong_penalty(lengths: torch.Tensor, budget: int, cache: int) -> torch.Tensor:
@@ -9,3 +14,65 @@ def overlong_penalty(lengths: torch.Tensor, budget: int, cache: int) -> torch.Te
     budget - cache tokens, then falling linearly to -1 at the budget.  [N] -> [N]"""
     over = lengths.float() - (budget - cache)  # [N]
     return -(over / cache).clamp(0.0, 1.0)
+
+
+class Accuracy(RewardFunction):
+    """The task's own reward (for the testbed and the math task: 1 for a right final answer)."""
+
+    def __init__(self, weight: float = 1.0):
+        self.weight = weight
+
+    def __call__(self, row: dict, completion: str, task) -> float:
+        return task.reward(row, completion)
+
+
+class Format(RewardFunction):
+    """1 when the completion matches `pattern` (a regular expression, searched), else 0; as
+    DeepSeek-R1-Zero's format reward (arXiv 2501.12948)."""
+
+    def __init__(self, pattern: str, weight: float = 1.0):
+        self.pattern, self.weight = re.compile(pattern, re.DOTALL), weight
+
+    def __call__(self, row: dict, completion: str, task) -> float:
+        return float(bool(self.pattern.search(completion)))
+
+
+class LengthPenalty(RewardFunction):
+    """0 up to `max_chars` characters, then falling linearly to -1 at twice that."""
+
+    def __init__(self, max_chars: int, weight: float = 1.0):
+        if max_chars < 1:
+            raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+        self.max_chars, self.weight = max_chars, weight
+
+    def __call__(self, row: dict, completion: str, task) -> float:
+        return -min(1.0, max(0, len(completion) - self.max_chars) / self.max_chars)
+
+
+def group_zscore(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each group's z-score (sample std), exactly 0 in groups whose values are all equal.  [N] -> [N]"""
+    g = x.view(-1, group_size)  # [P, G]
+    diff = g - g.mean(1, keepdim=True)  # [P, G]
+    flat = (g == g[:, :1]).all(1, keepdim=True)  # [P, 1]
+    return torch.where(flat, torch.zeros_like(diff), diff / g.std(1, keepdim=True).clamp(min=1e-12)).reshape(-1)
+
+
+def combine(parts: torch.Tensor, weights: list[float], group_size: int, mode: str) -> torch.Tensor:
+    """One reward per completion from K reward terms [N, K]: `sum` adds the weighted terms (the
+    estimator then normalises the sum); `normalise` z-scores each term within its group first, then
+    adds them (GDPO, arXiv 2601.05242), so a term with a small spread is not drowned out.  -> [N]"""
+    w = torch.tensor(weights, dtype=parts.dtype)  # [K]
+    if mode == "sum":
+        return parts @ w
+    if mode == "normalise":
+        return torch.stack([group_zscore(parts[:, k], group_size) for k in range(parts.shape[1])], 1) @ w
+    raise ValueError(f"reward.combine must be 'sum' or 'normalise', got {mode!r}")
+
+
+def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], group_size: int):
+    """Rewards of N completions: the task's own, or the reward functions' terms combined as `mode`
+    says.  -> rewards [N], terms [N, K] (None without functions)"""
+    if not functions:
+        return task.score(rows, texts), None
+    parts = torch.stack([task.score(rows, texts, partial(fn, task=task)) for fn in functions.values()], 1)  # [N, K]
+    return combine(parts, [fn.weight for fn in functions.values()], group_size, mode), parts

@@ -40,6 +40,7 @@ class Rollout:
     kl_penalty: torch.Tensor | None = None     # [N, Tc] beta * KL when the KL is placed in the reward
     step_rewards: torch.Tensor | None = None   # [N, Tc] reward of the step ending at each token (process)
     step_mask: torch.Tensor | None = None      # [N, Tc] 1 where a step ends
+    reward_parts: torch.Tensor | None = None   # [N, K] each reward function's score, before combining
 
     def __post_init__(self):
         if self.shaping is None and self.rewards is not None:

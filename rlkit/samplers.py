@@ -56,6 +56,7 @@ class DynamicSampling(Uniform):
     uniform sampler, every trained group carries a gradient signal."""
 
     min_group_size = 2  # a group of one never has differing rewards
+    data_parallel = False  # which groups to keep is a decision over every rank's groups
 
     def __init__(self, dataset: Dataset, batch_size: int, seed: int = 0, max_gen_batches: int = 3,
                  oversample: float = 1.0):

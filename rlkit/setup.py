@@ -2,7 +2,6 @@
 the Hydra app's paths. `setup` returns the one `RunState` that the loop's phases share."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import os
@@ -15,16 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from datasets import Dataset
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit import checkpoint
-from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, Sampler
+from rlkit import checkpoint, distributed
+from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, Model, PolicyLoss, Sampler
 from rlkit.config import ConfigError, build, resolved
 from rlkit.evaluate import evaluate
+from rlkit.logging import NullLogger
 from rlkit.guards import (NonFiniteError, NonFiniteGuard, all_finite, check_context, check_encodable, check_resume,
                           check_writable)
 from rlkit.tasks.base import Task
@@ -39,6 +40,7 @@ class RunState:
     run_dir: str
     device: torch.device
     task: Task
+    model: Model                         # the model component: reference, loading weights
     policy: torch.nn.Module
     tokenizer: Any
     engine: Engine
@@ -47,6 +49,7 @@ class RunState:
     advantage: AdvantageEstimator
     aggregator: Aggregator
     loss: PolicyLoss
+    reward_fns: dict                     # name -> RewardFunction; {} = the task's own reward
     sampler: Sampler
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LambdaLR
@@ -57,6 +60,8 @@ class RunState:
     first_eval: dict = field(default_factory=dict)
     last_eval: dict = field(default_factory=dict)
     timer: Any = None
+    rank: int = 0                        # this process's rank and the number of processes (torchrun)
+    world: int = 1
     gen_tokens: int = 0                  # completion tokens generated in this step, kept or not
     t0: float = field(default_factory=time.perf_counter)  # this session's start
     wall_before: float = 0.0             # wall seconds of earlier sessions (resume)
@@ -72,7 +77,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None) -> RunState:
+def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 0, world: int = 1) -> RunState:
     """Build every component and model of a validated config, warm-start, resume from the run
     directory's last checkpoint, start the logger and evaluate once before training. `stop`
     (`StopSignals`) lets a signal end the warm start early."""
@@ -81,34 +86,44 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None) -> RunState:
     if cfg.threads or run_info.get("threads"):
         torch.set_num_threads(cfg.threads or run_info["threads"])
     R, O = cfg.rollout, cfg.optim
-    device = torch.device(cfg.device)
+    device = torch.device(distributed.local_device(cfg.device))
     task = build(cfg, "task")
     task.check_splits()
     advantage, aggregator, loss = build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss")
     # a warm-started policy starts from warm_start.seed, so every RL seed shares it
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
-    policy, tokenizer = build(cfg, "model").build(task.alphabet, init_seed)
+    model = build(cfg, "model")
+    policy, tokenizer = model.build(task.alphabet, init_seed)
+    if model.format_prompt(tokenizer, "1") != "1":  # e.g. a chat template: format every prompt once
+        task.train, task.eval = (Dataset.from_list([{**r, "prompt": model.format_prompt(tokenizer, r["prompt"])}
+                                                    for r in split]) for split in (task.train, task.eval))
     splits = {"train": task.train, "eval": task.eval}
     check_encodable(tokenizer, splits)
     check_context(tokenizer, policy, splits, R.max_new_tokens)
     warm = warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)},
                       stop)
     policy.to(device)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False) if loss.beta > 0 else None
+    ref = model.reference(policy) if loss.beta > 0 else None
     critic = build(cfg, "critic", policy=policy, max_grad_norm=O.max_grad_norm) if advantage.needs_critic else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
     sampler = build(cfg, "sampler", dataset=task.train, batch_size=R.prompts_per_step, seed=cfg.seed)
     engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
-    seed_everything(cfg.seed)
-    run = RunState(cfg, run_dir, device, task, policy, tokenizer, engine, ref, critic, advantage, aggregator, loss,
-                   sampler, optimizer, schedule, guard=NonFiniteGuard(O.max_nonfinite),
-                   eval_kw=dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens))
+    seed_everything(cfg.seed + rank)  # ranks sample differently; rank 0 as a single process would
+    reward_fns = {name: build(cfg, f"reward.functions.{name}") for name in cfg.reward.functions}
+    run = RunState(cfg, run_dir, device, task, model, policy, tokenizer, engine, ref, critic, advantage, aggregator, loss,
+                   reward_fns, sampler, optimizer, schedule, guard=NonFiniteGuard(O.max_nonfinite),
+                   eval_kw=dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens),
+                   rank=rank, world=world)
     state = resume(run) if cfg.checkpoint.resume else {}
-    run.logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=run.start,
-                       run_id=state.get("run_id"), run_info=run_info)
-    Path(run_dir, "run.json").write_text(json.dumps({"choices": run_info.get("choices", {}), "config": resolved(cfg),
-                                                     "warm_start": warm}, indent=1))
+    if rank:  # rank 0 alone writes
+        run.logger = NullLogger()
+    else:
+        run.logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=run.start,
+                           run_id=state.get("run_id"), run_info=run_info)
+        Path(run_dir, "run.json").write_text(json.dumps({"choices": run_info.get("choices", {}), "config": resolved(cfg),
+                                                         "warm_start": warm, "processes": world}, indent=1))
     run.first_eval = state.get("first_eval") or evaluate(engine, tokenizer, task, **run.eval_kw)
     run.last_eval = state.get("last_eval", run.first_eval)
     if run.start == 0:
@@ -127,14 +142,15 @@ def resume(run: RunState) -> dict:
         return {}
     state = checkpoint.load_state(last)
     check_resume(state.get("config"), resolved(run.cfg), last)
-    run.policy.load_state_dict(type(run.policy).from_pretrained(last / "policy").state_dict())
+    run.model.load(run.policy, last / "policy")
     run.optimizer.load_state_dict(state["optimizer"])
     run.schedule.load_state_dict(state["schedule"])
     if run.critic is not None:
         run.critic.load(last / "critic")
         run.critic.load_state_dict(state["critic_optimizer"])
     run.sampler.load_state_dict(state["sampler"])
-    checkpoint.set_rng_state(state["rng"])
+    ranks = state.get("rng_ranks") or [state["rng"]]
+    checkpoint.set_rng_state(ranks[run.rank % len(ranks)])
     run.start, run.wall_before = state["step"], state.get("wall_s", 0.0)
     run.finished_before = run.start >= run.cfg.steps
     print(f"rlkit: resuming from {last} (step {run.start})", file=sys.stderr)
@@ -144,6 +160,9 @@ def resume(run: RunState) -> dict:
 def save_checkpoint(run: RunState, step: int) -> Path:
     if not all_finite(run.policy):  # never write a non-finite state over a good checkpoint
         raise NonFiniteError(f"the policy has non-finite weights at step {step}; checkpoint not written")
+    rng_ranks = distributed.gather(checkpoint.rng_state())  # every rank's, so each resumes its own
+    if run.rank:
+        return Path(run.run_dir) / "checkpoints" / f"step_{step:06d}"
     models = {"policy": run.policy.save_pretrained}
     extra = {}
     if run.critic is not None:
@@ -154,7 +173,7 @@ def save_checkpoint(run: RunState, step: int) -> Path:
                             "sampler": run.sampler.state_dict(), "first_eval": run.first_eval,
                             "last_eval": run.last_eval, "run_id": run.logger.run_id, "config": resolved(run.cfg),
                             "wall_s": run.wall_s()},
-                           keep=run.cfg.checkpoint.keep)
+                           keep=run.cfg.checkpoint.keep, rng_ranks=rng_ranks)
 
 
 class ComposeCheck(Callback):

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,12 +19,13 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
+from rlkit import distributed
 from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
 from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RunDirLock,
                           StopSignals, checked_advantages, check_writable, finite)
-from rlkit.metrics import rollout_metrics, samples, weight_metrics
-from rlkit.rewards import overlong_penalty
+from rlkit.metrics import reward_metrics, rollout_metrics, samples, weight_metrics
+from rlkit.rewards import overlong_penalty, score
 from rlkit.rollout import Rollout, rollout_logprobs, step_reward_matrix
 from rlkit.setup import ComposeCheck, RunState, config_path, discard_if_empty, hydra_run_info, save_checkpoint, setup
 from rlkit.config import ConfigError, validate
@@ -84,13 +85,14 @@ def collect(run: RunState) -> tuple[Rollout, dict]:
 
 def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
     R, G = run.cfg.rollout, run.cfg.rollout.group_size
-    rows = [row for row in rows for _ in range(G)]  # N rows, each group contiguous
+    rows = [row for row in distributed.shard(rows, run.rank, run.world) for _ in range(G)]  # N rows, groups contiguous
     with run.timer("generate"):
         gen = run.engine.generate([r["prompt"] for r in rows], R.max_new_tokens, R.temperature, R.top_p)
         run.gen_tokens += int(gen.completion_mask.sum())
     with run.timer("score"):
         texts = run.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        r = Rollout(*gen, G, rows, texts, run.task.score(rows, texts).to(run.device))
+        rewards, parts = score(run.task, run.reward_fns, run.cfg.reward.combine, rows, texts, G)  # [N], [N, K]
+        r = Rollout(*gen, G, rows, texts, rewards.to(run.device), reward_parts=parts)
         if run.cfg.reward.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, run.cfg.reward.overlong_cache)  # [N]
         if run.advantage.needs_step_rewards:
@@ -121,7 +123,7 @@ def prepare(run: RunState, rollout: Rollout) -> Batch:
 # ---- 3. update: epochs x mini-batches (by groups) x micro-batches; the critic on the same mini-batches ------------
 
 def update(run: RunState, batch: Batch) -> UpdateStats:
-    O, stats = run.cfg.optim, UpdateStats(skipped=not finite(batch.adv))
+    O, stats = run.cfg.optim, UpdateStats(skipped=distributed.any_rank(not finite(batch.adv)))
     run.policy.train()
     with run.timer("update"):
         for rows in ([] if stats.skipped else mini_batches(batch.rollout, O.epochs, O.mini_batches)):
@@ -147,7 +149,7 @@ def policy_step(run: RunState, batch: Batch, rows: torch.Tensor, stats: UpdateSt
     """One optimizer step on `rows`, accumulated over micro-batches; False (and no step) when the
     loss or the gradient norm is not finite."""
     O, loss_fn = run.cfg.optim, run.loss
-    weights = run.aggregator.token_weights(batch.mask[rows])  # [n, Tc] normalised over the mini-batch
+    weights = distributed.global_weights(run.aggregator, batch.mask[rows])  # [n, Tc] normalised over the mini-batch
     run.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for micro in chunks(len(rows), O.micro_batch_size):
@@ -167,8 +169,9 @@ def policy_step(run: RunState, batch: Batch, rows: torch.Tensor, stats: UpdateSt
         for k, v in {**info, "entropy": entropy.detach()}.items():
             stats.sums[k] = stats.sums.get(k, 0.0) + float((v * m).sum())
         stats.tokens += float(m.sum())
+    distributed.sum_gradients(run.policy.parameters())
     grad_norm = float(torch.nn.utils.clip_grad_norm_(run.policy.parameters(), O.max_grad_norm))
-    if stats.skipped or not finite(grad_norm):
+    if distributed.any_rank(stats.skipped) or not finite(grad_norm):
         stats.skipped = True
         run.optimizer.zero_grad(set_to_none=True)
         return False
@@ -188,6 +191,7 @@ def log(run: RunState, step: int, rollout: Rollout, batch: Batch | None, stats: 
         metrics["train/skipped_empty_batch"] = 1
     else:
         metrics.update(rollout_metrics(rollout, batch.adv))
+        metrics.update(reward_metrics(rollout, list(run.reward_fns)))
     if batch is not None and not stats.skipped:
         metrics.update(weight_metrics(rollout, batch.adv, run.aggregator.token_weights(batch.mask)))
         metrics.update({f"train/{k}": v / max(stats.tokens, 1.0) for k, v in stats.sums.items()})
@@ -196,12 +200,14 @@ def log(run: RunState, step: int, rollout: Rollout, batch: Batch | None, stats: 
     if stats.value_losses:
         metrics.update({"train/value_loss": sum(stats.value_losses) / len(stats.value_losses),
                         "train/explained_variance": explained_variance(batch.old_values, batch.returns, batch.mask)})
+    metrics.update(run.task.step_metrics())
     metrics.update({f"time/{k}": v for k, v in run.timer.items()})
     metrics["perf/tokens_per_s"] = float(rollout.completion_mask.sum()) / run.timer["step"]
     cfg = run.cfg
     if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
         run.last_eval = evaluate(run.engine, run.tokenizer, run.task, **run.eval_kw)
         metrics.update(run.last_eval)
+    metrics = distributed.mean_metrics(metrics)
     run.logger.log(step, metrics)
     if cfg.samples_every and batch is not None and (step % cfg.samples_every == 0 or step == 1):
         run.logger.log_samples(step, samples(rollout, batch.adv, per_group=2))
@@ -212,10 +218,11 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
     """Train as `cfg` says, writing to `run_dir`; `run_info` carries the chosen options (`choices`)
     and sweep name for the logger."""
     t0 = time.perf_counter()
-    validate(cfg)  # every check that needs no model, before anything is built or written
+    rank, world = distributed.init(cfg.device)
+    validate(cfg, world)  # every check that needs no model, before anything is built or written
     check_writable(run_dir, "hydra.run.dir")
-    with RunDirLock(run_dir), StopSignals() as stop:  # SIGTERM/SIGINT: finish the step, checkpoint, exit
-        state = setup(cfg, run_dir, run_info or {}, stop)
+    with RunDirLock(run_dir) if rank == 0 else nullcontext(), StopSignals() as stop:  # SIGTERM/SIGINT: finish the step
+        state = setup(cfg, run_dir, run_info or {}, stop, rank, world)
         state.timer, state.t0 = Timer(), t0
         if stop.received:
             raise Preempted(f"stopped by {stop.received} before the first step; rerun the same command to start")
@@ -229,12 +236,13 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
                 stats = update(state, batch) if batch is not None else UpdateStats()
             metrics = log(state, step, rollout, batch, stats, metrics)
             bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{state.last_eval['eval/accuracy']:.2f}")
-            if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or stop.received:
+            stopping = distributed.any_rank(bool(stop.received))  # every rank stops after the same step
+            if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or stopping:
                 path = save_checkpoint(state, step)
-            if stop.received:
+            if stopping:
                 state.logger.finish()
-                raise Preempted(f"stopped by {stop.received} after step {step}; checkpoint {path}; "
-                                "rerun the same command (same hydra.run.dir) to resume")
+                raise Preempted(f"stopped by {stop.received or 'a signal to another rank'} after step {step}; "
+                                f"checkpoint {path}; rerun the same command (same hydra.run.dir) to resume")
             state.guard.record(stats.skipped, step)
         state.logger.finish()
         return write_summary(state)
@@ -244,6 +252,8 @@ def write_summary(state: RunState) -> dict:
     """summary.json and the closing line; wall time counts every session of the run, set-up included.
     A rerun of a finished run keeps its summary."""
     path = Path(state.run_dir, "summary.json")
+    if state.rank:
+        return {}
     if state.finished_before and path.exists():
         print(f"rlkit: the run in {state.run_dir} had already finished at step {state.start}; nothing to do",
               file=sys.stderr)

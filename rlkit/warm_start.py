@@ -82,16 +82,18 @@ def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
         return {}
     path = cache_path(cfg.cache_dir, {**key, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
                                       "seed": cfg.seed})
+    weights = path / "weights.pt"  # plain torch.save: the same on every rank of a torchrun job
     with locked(path):  # a job that finds another training this entry waits for it, then loads it
-        trained = not (path / "config.json").exists()
+        trained = not weights.exists()
         if trained:
             print(f"rlkit: warm start: {cfg.steps} supervised steps, cached in {path}", file=sys.stderr)
             train_supervised(policy, tokenizer, task, cfg.steps, cfg.batch_size, cfg.lr, cfg.seed, stop)
             tmp = path.with_name(path.name + f".tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
-            policy.save_pretrained(tmp)
+            tmp.mkdir(parents=True)
+            torch.save(policy.state_dict(), tmp / weights.name)
             (tmp / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
-        policy.load_state_dict(type(policy).from_pretrained(path).state_dict())
+        policy.load_state_dict(torch.load(weights, weights_only=True))
     return {"cache": str(path), "trained": trained}

@@ -44,7 +44,7 @@ def test_a_run_generates_only_through_its_engine(tmp_path):
 
 
 def test_a_component_missing_a_declared_attribute_is_named():
-    with pytest.raises(ConfigError, match=r"advantage: OldStylePlugin lacks needs_step_rewards .*subclass it"):
+    with pytest.raises(ConfigError, match=r"advantage: OldStylePlugin lacks data_parallel, needs_step_rewards .*subclass it"):
         validate(make_cfg(["++advantage._target_=helpers.OldStylePlugin"]))
 
 

@@ -183,7 +183,7 @@ def test_a_signal_during_set_up_exits_75_with_a_message(tmp_path, sig, phase):
     if phase == "warm start":
         wait_for(lambda: cache.exists() and any(p.suffix == ".lock" for p in cache.rglob("*")), proc)
     else:
-        wait_for(lambda: cache.exists() and any(p.name == "config.json" for p in cache.rglob("*")), proc)
+        wait_for(lambda: cache.exists() and any(p.name == "weights.pt" for p in cache.rglob("*")), proc)
     proc.send_signal(sig)
     assert proc.wait(timeout=120) == EXIT_PREEMPTED
     err = proc.stderr.read()

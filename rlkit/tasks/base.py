@@ -31,6 +31,10 @@ class Task:
         """(end character index, reward) per reasoning step; one outcome step by default."""
         return [(len(completion), self.reward(row, completion))]
 
+    def step_metrics(self) -> dict:
+        """Metrics the task gathered while scoring this step (read once per step); none by default."""
+        return {}
+
     def check_splits(self) -> None:
         for name, split in (("train", self.train), ("eval", self.eval)):
             if len(split) == 0:
@@ -44,9 +48,11 @@ class Task:
                 if a is None or str(a) == "":
                     raise TaskError(f"task.{name} row {i} ({p!r}) has no answer")
 
-    def score(self, rows: list[dict], completions: list[str]) -> torch.Tensor:
-        """Rewards for N completions; rows[i] is completion i's dataset row.  -> [N]"""
-        return torch.tensor([_checked(self.reward, i, row, text) for i, (row, text) in enumerate(zip(rows, completions))])
+    def score(self, rows: list[dict], completions: list[str], fn=None) -> torch.Tensor:
+        """Rewards for N completions by `fn(row, completion)` (default: the task's `reward`); rows[i]
+        is completion i's dataset row.  -> [N]"""
+        fn = fn or self.reward
+        return torch.tensor([_checked(fn, i, row, text) for i, (row, text) in enumerate(zip(rows, completions))])
 
     def score_steps(self, rows: list[dict], completions: list[str]) -> list[list[tuple[int, float]]]:
         """(end character, reward) of each step of each completion, checked like `score`."""

@@ -1,0 +1,94 @@
+"""Data parallel over torch.distributed (`torchrun --nproc_per_node=K -m rlkit.train ...`; gloo on
+CPU, NCCL on GPU). Every rank draws the same P prompts and keeps its own contiguous share, so a
+group never spans ranks; the aggregator's weights are computed over all ranks' masks and the
+gradients summed, so the update equals the single-process update on the same batch. Rank 0 alone
+writes logs and checkpoints. With one process every helper here is the identity."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def init(device: str) -> tuple[int, int]:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); returns (rank, world size)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(local_device(device)))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def local_device(device: str) -> str:
+    """`cuda` means this process's own GPU (`cuda:LOCAL_RANK`) when torchrun started several."""
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
+def size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def shard(rows: list, rank: int, world: int) -> list:
+    """This rank's contiguous share of the step's prompts (P divisible by the world size)."""
+    n = len(rows) // world
+    return rows[rank * n:(rank + 1) * n]
+
+
+def any_rank(flag: bool) -> bool:
+    if size() == 1:
+        return flag
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def global_weights(aggregator, mask: torch.Tensor) -> torch.Tensor:
+    """The aggregator's weights for this rank's rows, normalised over every rank's rows.  [n, T] -> [n, T]"""
+    if size() == 1:
+        return aggregator.token_weights(mask)
+    shapes = [None] * size()
+    dist.all_gather_object(shapes, tuple(mask.shape))
+    rows, cols = max(s[0] for s in shapes), max(s[1] for s in shapes)
+    padded = F.pad(mask.float(), (0, cols - mask.shape[1], 0, rows - mask.shape[0]))  # [rows, cols]
+    parts = [torch.empty_like(padded) for _ in shapes]
+    dist.all_gather(parts, padded)
+    full = torch.cat([p[:s[0]] for p, s in zip(parts, shapes)])  # [sum n, cols] every rank's rows, in rank order
+    start = sum(s[0] for s in shapes[:dist.get_rank()])
+    return aggregator.token_weights(full)[start:start + mask.shape[0], :mask.shape[1]]
+
+
+def sum_gradients(params) -> None:
+    """Add up every rank's gradients (each rank's loss already carries its global weights)."""
+    if size() == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    for g, s in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(s)
+
+
+def mean_metrics(metrics: dict) -> dict:
+    """Each numeric metric averaged over the ranks that logged it (rank 0 logs the result)."""
+    if size() == 1:
+        return metrics
+    every = [None] * size()
+    dist.all_gather_object(every, metrics)
+    out = {}
+    for k, v in metrics.items():
+        values = [m[k] for m in every if k in m and isinstance(m[k], (int, float)) and not isinstance(m[k], bool)]
+        out[k] = sum(values) / len(values) if values and isinstance(v, (int, float)) else v
+    return out
+
+
+def gather(obj) -> list:
+    """Every rank's `obj`, in rank order (on every rank)."""
+    if size() == 1:
+        return [obj]
+    out = [None] * size()
+    dist.all_gather_object(out, obj)
+    return out

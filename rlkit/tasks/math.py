@@ -1,0 +1,87 @@
+"""Math word problems (GSM8K-style `#### answer`, or MATH-style `\\boxed{answer}`), read through
+`datasets.load_dataset` from local files or a hub id, scored by math-verify: equivalent forms
+such as `0.5`, `1/2` and `\\frac{1}{2}` count as equal."""
+from __future__ import annotations
+
+import os
+import re
+
+from datasets import Dataset, load_dataset
+
+from rlkit.tasks.base import Task, TaskError
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` in `text`, braces balanced, or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def reference_answer(solution: str, style: str) -> str | None:
+    """The final answer in a reference solution: after '####' (gsm8k), in the last \\boxed{} (boxed),
+    or the whole text (plain)."""
+    if style == "gsm8k":
+        return solution.split("####")[-1].strip().replace(",", "") if "####" in solution else None
+    if style == "boxed":
+        return last_boxed(solution)
+    return solution.strip()
+
+
+def load_split(source: str, split: str, fmt: str, config: str | None) -> Dataset:
+    """A local file (by extension or `fmt`) or a hub data set id with its split."""
+    if os.path.exists(source):
+        return load_dataset(fmt, data_files=source, split="train")
+    return load_dataset(source, config, split=split)
+
+
+class Math(Task):
+    """Prompts from `question_key` through `prompt_template`, reference answers extracted from
+    `answer_key` as `answer_style` says; reward 1 when math-verify finds the completion's answer
+    equivalent to the reference. Verification that runs past `timeout_s` scores 0 and is counted in
+    the step metric `task/verify_timeouts`."""
+
+    STYLES = ("gsm8k", "boxed", "plain")
+
+    def __init__(self, train: str, eval: str, format: str = "json", config: str | None = None,
+                 train_split: str = "train", eval_split: str = "test", question_key: str = "question",
+                 answer_key: str = "answer", answer_style: str = "gsm8k",
+                 prompt_template: str = "{question}\nPut the final answer in \\boxed{{}}.", timeout_s: int = 5):
+        if answer_style not in self.STYLES:
+            raise ValueError(f"task.answer_style must be one of {', '.join(self.STYLES)}, got {answer_style!r}")
+        self.timeout_s, self.timeouts = timeout_s, 0
+        for name, source, split in (("train", train, train_split), ("eval", eval, eval_split)):
+            try:
+                data = load_split(source, split, format, config)
+            except Exception as e:
+                raise TaskError(f"task.{name}: cannot load {source!r}: {type(e).__name__}: {e}") from e
+            for key in (question_key, answer_key):
+                if key not in data.column_names:
+                    raise TaskError(f"task.{name} has no '{key}' column (columns: {data.column_names})")
+            rows = []
+            for i, row in enumerate(data):
+                answer = reference_answer(str(row[answer_key]), answer_style)
+                if not answer:
+                    raise TaskError(f"task.{name} row {i}: no {answer_style} answer in {str(row[answer_key])[-80:]!r}")
+                rows.append({"prompt": prompt_template.format(question=row[question_key]), "answer": answer})
+            setattr(self, name, Dataset.from_list(rows))
+
+    def reward(self, row: dict, completion: str) -> float:
+        from math_verify import parse, verify
+        try:
+            gold = parse(f"${row['answer']}$", parsing_timeout=self.timeout_s, raise_on_error=True)
+            pred = parse(completion, parsing_timeout=self.timeout_s, raise_on_error=True)
+            return float(verify(gold, pred, timeout_seconds=self.timeout_s, raise_on_error=True))
+        except Exception as e:  # unparsable answers score 0; a timeout is counted, never hangs the step
+            self.timeouts += "timeout" in type(e).__name__.lower() or "timeout" in str(e).lower()
+            return 0.0
+
+    def step_metrics(self) -> dict:
+        out, self.timeouts = {"task/verify_timeouts": self.timeouts}, 0
+        return out
