@@ -2,9 +2,11 @@
 groups never span ranks, rank 0 alone writes, and a two-process run resumes."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -78,3 +80,41 @@ def test_a_two_process_run_writes_once_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("resuming from") == 2  # both ranks
     assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def kill_all(marker: str) -> None:
+    """SIGKILL every process whose command line holds `marker`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_killed_two_process_run_resumes_to_the_uninterrupted_metrics(tmp_path):
+    """kill -9 the whole torchrun job after its step-4 checkpoint; the rerun restores every rank's RNG."""
+    from test_reliability import metrics
+    args = ["steps=10", "checkpoint.every=2", "eval.every=5"]
+    ref = torchrun(tmp_path / "ref", tmp_path / "c", *args)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+           "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}", f"hydra.run.dir={tmp_path / 'run'}",
+           *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while not (tmp_path / "run" / "checkpoints" / "step_000004").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    kill_all(f"hydra.run.dir={tmp_path / 'run'}")  # the agent and both ranks (torchrun starts them in new sessions)
+    proc.wait()
+    assert metrics(tmp_path / "run")[-1]["step"] < 10
+    again = torchrun(tmp_path / "run", tmp_path / "c", *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("resuming from") == 2 and "(step 10)" not in again.stderr  # both ranks, mid-run
+    assert metrics(tmp_path / "run") == metrics(tmp_path / "ref")
