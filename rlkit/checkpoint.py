@@ -42,7 +42,8 @@ def _files(root: Path) -> list[Path]:
 def save(run_dir: str | Path, step: int, models: dict, tokenizer, state: dict, keep: int = 2,
          rng_ranks: list | None = None) -> Path:
     """Write checkpoints/step_XXXXXX atomically; `models` maps a sub-folder name to a function that
-    saves into a directory ('policy' is saved with the tokenizer)."""
+    saves into a directory ('policy' is saved with the tokenizer); `rng_ranks` holds every rank's RNG
+    state (default: this process's)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -51,7 +52,7 @@ def save(run_dir: str | Path, step: int, models: dict, tokenizer, state: dict, k
     for name, save_to in models.items():
         save_to(tmp / name)
     tokenizer.save_pretrained(tmp / "policy")
-    torch.save({**state, "step": step, "rng": rng_state(), "rng_ranks": rng_ranks}, tmp / STATE)
+    torch.save({**state, "step": step, "rng_ranks": rng_ranks or [rng_state()]}, tmp / STATE)
     manifest = {str(p.relative_to(tmp)): _sha256(p) for p in _files(tmp)}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if final.exists():

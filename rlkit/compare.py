@@ -163,7 +163,8 @@ def curve(runs: list[Run], metric: str, axis: str, smooth: int):
         stats = [mean_ci([t[s] for t in table_]) for s in common]
         x = [float(s) for s in common]
     else:
-        xs = [[x_of(r, axis)[s] for s, _ in ser] for r, ser in zip(runs, series)]
+        positions = [x_of(r, axis) for r in runs]
+        xs = [[pos[s] for s, _ in ser] for pos, ser in zip(positions, series)]
         end = min(x[-1] for x in xs)
         grid = np.linspace(0, end, 60)
         ys = [np.interp(grid, x, [v for _, v in ser]) for x, ser in zip(xs, series)]

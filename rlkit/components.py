@@ -111,15 +111,12 @@ class RewardFunction(Protocol):
     def __call__(self, row: dict, completion: str, task) -> float: ...
 
 
-
 def check(obj, kind: type, key: str) -> None:
     """Fail naming the config key when `obj` (a class or an instance) lacks what `kind` declares."""
     from rlkit.config import ConfigError  # rlkit.config imports this module
 
     declared = set(getattr(kind, "__annotations__", {})) | {
-        n for n, v in vars(kind).items() if callable(v) and not n.startswith("_")}
-    if "__call__" in vars(kind) and vars(kind)["__call__"] is not None:
-        declared.add("__call__")
+        n for n, v in vars(kind).items() if callable(v) and (not n.startswith("_") or n == "__call__")}
     missing = sorted(n for n in declared if not hasattr(obj, n))
     if missing:
         name = getattr(obj, "__qualname__", type(obj).__qualname__)

@@ -7,7 +7,7 @@ import inspect
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
@@ -211,22 +211,20 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:
         _check(cfg[g] is not None, f"no option chosen for group '{g}'")
-    for g, kind in (("advantage", AdvantageEstimator), ("sampler", Sampler)):  # they declare `min_group_size`
-        cls = target_class(cfg, g)
-        check(cls, kind, g)
-        _check(r.group_size >= cls.min_group_size,
-               f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {r.group_size}")
+    advantage, sampler = build(cfg, "advantage"), target_class(cfg, "sampler")  # the sampler needs run-time data
+    check(advantage, AdvantageEstimator, "advantage")
+    check(sampler, Sampler, "sampler")
+    for g, component in (("advantage", advantage), ("sampler", sampler)):  # they declare `min_group_size`
+        _check(r.group_size >= component.min_group_size,
+               f"{g}={cfg[g]._target_} needs rollout.group_size >= {component.min_group_size}, got {r.group_size}")
+        _check(world == 1 or component.data_parallel, f"{g}={cfg[g]._target_} does not run data-parallel yet; "
+                                                      "use one process")
+    _check(r.prompts_per_step % world == 0,
+           f"rollout.prompts_per_step={r.prompts_per_step} must divide among {world} processes")
     check(target_class(cfg, "engine"), Engine, "engine")
-    if target_class(cfg, "advantage").needs_critic:
+    if advantage.needs_critic:
         _check(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")
         check(target_class(cfg, "critic"), Critic, "critic")
-    advantage = build(cfg, "advantage")
-    check(advantage, AdvantageEstimator, "advantage")
-    if world > 1:
-        _check(r.prompts_per_step % world == 0,
-               f"rollout.prompts_per_step={r.prompts_per_step} must divide among {world} processes")
-        for g, ok in (("advantage", advantage.data_parallel), ("sampler", target_class(cfg, "sampler").data_parallel)):
-            _check(ok, f"{g}={cfg[g]._target_} does not run data-parallel yet; use one process")
     check(build(cfg, "aggregator"), Aggregator, "aggregator")
     check(build(cfg, "loss"), PolicyLoss, "loss")
     for name in cfg.reward.functions:

@@ -76,9 +76,7 @@ def mean_metrics(metrics: dict) -> dict:
     """Each numeric metric averaged over the ranks that logged it (rank 0 logs the result)."""
     if size() == 1:
         return metrics
-    every = [None] * size()
-    dist.all_gather_object(every, metrics)
-    out = {}
+    every, out = gather(metrics), {}
     for k, v in metrics.items():
         values = [m[k] for m in every if k in m and isinstance(m[k], (int, float)) and not isinstance(m[k], bool)]
         out[k] = sum(values) / len(values) if values and isinstance(v, (int, float)) else v

@@ -14,7 +14,7 @@ def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int) -> d
     """Greedy accuracy (reward > 0) and mean completion length (tokens) of correct and incorrect answers."""
     correct, lengths = [], []
     split = task.eval
-    rows_all = [split[i] for i in range(len(split))]
+    rows_all = split.to_list()
     for start in tqdm(range(0, len(split), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
         rows = rows_all[start:start + batch_size]
         gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature=0)

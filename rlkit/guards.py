@@ -5,6 +5,7 @@ import fcntl
 import os
 import signal
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -58,8 +59,8 @@ class NonFiniteGuard:
 
 
 def checked_advantages(estimator, rollout, values=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Call the estimator; its advantages (and returns, if it gives them) must be finite-typed
-    tensors of the rollout's [N, Tc] shape. A failure names the estimator, before any update."""
+    """Call the estimator; its advantages (and returns, if it gives them) must be float tensors of
+    the rollout's [N, Tc] shape. A failure names the estimator, before any update."""
     name = type(estimator).__qualname__
     try:
         out = estimator(rollout, values)
@@ -68,9 +69,8 @@ def checked_advantages(estimator, rollout, values=None) -> tuple[torch.Tensor, t
                           f"{type(e).__name__}: {e}") from e
     adv, returns = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     expect = tuple(rollout.completion_mask.shape)
-    for what, x in (("advantages", adv), ("returns", returns)):
-        if x is None and what == "returns":
-            continue
+    named = [("advantages", adv)] + ([("returns", returns)] if returns is not None else [])
+    for what, x in named:
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != expect or not x.is_floating_point():
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ConfigError(f"advantage={name} returned {what} of shape {got}; expected a float tensor of shape "
@@ -98,31 +98,41 @@ def check_writable(path: str | Path, key: str) -> None:
         raise ConfigError(f"{key}: directory {path} is not writable ({e.strerror or e})") from e
 
 
+@contextmanager
+def file_lock(path: Path, wait: bool = True):
+    """An exclusive flock on the file `path` for the block; it dies with its process, however the
+    process ends. `wait=False`: raise BlockingIOError at once when another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            yield f
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class RunDirLock:
-    """Refuses a run directory that another live run holds; the lock (`.rlkit.lock`, flock) dies
-    with its process, so a killed run's directory can be resumed at once."""
+    """Refuses a run directory that another live run holds (`.rlkit.lock`), so a killed run's
+    directory can be resumed at once."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / ".rlkit.lock"
+        self.lock = file_lock(self.path, wait=False)
 
     def __enter__(self):
-        self.file = open(self.path, "a+")
         try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            f = self.lock.__enter__()
         except BlockingIOError:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
-            self.file.close()
+            holder = self.path.read_text().strip() or "another process"
             raise ConfigError(f"hydra.run.dir: {self.path.parent} is in use by a live run ({holder}); "
                               "wait for it, or choose another hydra.run.dir") from None
-        self.file.truncate(0)
-        self.file.write(f"pid {os.getpid()}")
-        self.file.flush()
+        f.truncate(0)
+        f.write(f"pid {os.getpid()}")
+        f.flush()
         return self
 
     def __exit__(self, *exc):
-        fcntl.flock(self.file, fcntl.LOCK_UN)
-        self.file.close()
+        return self.lock.__exit__(*exc)
 
 
 def check_encodable(tokenizer, splits: dict) -> None:

@@ -56,7 +56,8 @@ class Regularised(PolicyLoss):
                  entropy_coef: float = 0.0, drop_truncated: bool = False):
         if beta < 0:
             raise ValueError(f"loss.beta must be >= 0, got {beta}")
-        kl_estimate(torch.zeros(1), torch.zeros(1), kl_estimator)  # names the key when unknown
+        if kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"loss.kl_estimator must be one of k1, k2, k3, got {kl_estimator!r}")
         if kl_placement not in ("loss", "reward"):
             raise ValueError(f"loss.kl_placement must be 'loss' or 'reward', got {kl_placement!r}")
         self.beta, self.kl_estimator, self.entropy_coef = beta, kl_estimator, entropy_coef

@@ -6,6 +6,7 @@ import re
 from functools import partial
 import torch
 
+from rlkit.advantages import centred
 from rlkit.components import RewardFunction
 
 
@@ -52,9 +53,8 @@ class LengthPenalty(RewardFunction):
 def group_zscore(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """Each group's z-score (sample std), exactly 0 in groups whose values are all equal.  [N] -> [N]"""
     g = x.view(-1, group_size)  # [P, G]
-    diff = g - g.mean(1, keepdim=True)  # [P, G]
-    flat = (g == g[:, :1]).all(1, keepdim=True)  # [P, 1]
-    return torch.where(flat, torch.zeros_like(diff), diff / g.std(1, keepdim=True).clamp(min=1e-12)).reshape(-1)
+    diff, flat = centred(g)  # [P, G], [P, 1]
+    return torch.where(flat, diff, diff / g.std(1, keepdim=True).clamp(min=1e-12)).reshape(-1)  # [N]
 
 
 def combine(parts: torch.Tensor, weights: list[float], group_size: int, mode: str) -> torch.Tensor:

@@ -62,7 +62,6 @@ class RunState:
     timer: Any = None
     rank: int = 0                        # this process's rank and the number of processes (torchrun)
     world: int = 1
-    gen_tokens: int = 0                  # completion tokens generated in this step, kept or not
     t0: float = field(default_factory=time.perf_counter)  # this session's start
     wall_before: float = 0.0             # wall seconds of earlier sessions (resume)
     finished_before: bool = False        # resumed from the final checkpoint: nothing left to train
@@ -149,8 +148,7 @@ def resume(run: RunState) -> dict:
         run.critic.load(last / "critic")
         run.critic.load_state_dict(state["critic_optimizer"])
     run.sampler.load_state_dict(state["sampler"])
-    ranks = state.get("rng_ranks") or [state["rng"]]
-    checkpoint.set_rng_state(ranks[run.rank % len(ranks)])
+    checkpoint.set_rng_state(state["rng_ranks"][run.rank % len(state["rng_ranks"])])
     run.start, run.wall_before = state["step"], state.get("wall_s", 0.0)
     run.finished_before = run.start >= run.cfg.steps
     print(f"rlkit: resuming from {last} (step {run.start})", file=sys.stderr)

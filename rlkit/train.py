@@ -78,9 +78,14 @@ class UpdateStats:
 
 def collect(run: RunState) -> tuple[Rollout, dict]:
     run.policy.eval()
-    run.gen_tokens = 0
-    rollout, metrics = run.sampler.sample(lambda rows: make_rollout(run, rows))
-    return rollout, {**metrics, "train/gen_tokens": run.gen_tokens}  # generated, kept or not
+    generated = []  # every rollout the sampler asked for, kept or not
+
+    def make(rows: list[dict]) -> Rollout:
+        generated.append(make_rollout(run, rows))
+        return generated[-1]
+
+    rollout, metrics = run.sampler.sample(make)
+    return rollout, {**metrics, "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in generated)}
 
 
 def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
@@ -88,7 +93,6 @@ def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
     rows = [row for row in distributed.shard(rows, run.rank, run.world) for _ in range(G)]  # N rows, groups contiguous
     with run.timer("generate"):
         gen = run.engine.generate([r["prompt"] for r in rows], R.max_new_tokens, R.temperature, R.top_p)
-        run.gen_tokens += int(gen.completion_mask.sum())
     with run.timer("score"):
         texts = run.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         rewards, parts = score(run.task, run.reward_fns, run.cfg.reward.combine, rows, texts, G)  # [N], [N, K]
@@ -193,7 +197,7 @@ def log(run: RunState, step: int, rollout: Rollout, batch: Batch | None, stats: 
         metrics.update(rollout_metrics(rollout, batch.adv))
         metrics.update(reward_metrics(rollout, list(run.reward_fns)))
     if batch is not None and not stats.skipped:
-        metrics.update(weight_metrics(rollout, batch.adv, run.aggregator.token_weights(batch.mask)))
+        metrics.update(weight_metrics(rollout, batch.adv, distributed.global_weights(run.aggregator, batch.mask)))
         metrics.update({f"train/{k}": v / max(stats.tokens, 1.0) for k, v in stats.sums.items()})
         metrics.update({"train/loss": sum(stats.losses) / len(stats.losses),
                         "train/grad_norm": sum(stats.grad_norms) / len(stats.grad_norms)})

@@ -5,20 +5,18 @@ warm-start settings, that seed), and a file lock makes jobs that start together 
 train it once and all load the same weights."""
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from rlkit.guards import Preempted
+from rlkit.guards import Preempted, file_lock
 from rlkit.rollout import encode_prompts, token_logprobs
 
 
@@ -62,18 +60,6 @@ def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: f
         sched.step()
 
 
-@contextmanager
-def locked(path: Path):
-    """An exclusive lock on `<path>.lock`, released when the process ends, however it ends."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
     """Load the cached warm start for `key` (model, task and warm-start config) or train and cache
     it. `policy` must have been initialised from `cfg.seed` (see `applies`). Returns where the
@@ -83,7 +69,7 @@ def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
     path = cache_path(cfg.cache_dir, {**key, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
                                       "seed": cfg.seed})
     weights = path / "weights.pt"  # plain torch.save: the same on every rank of a torchrun job
-    with locked(path):  # a job that finds another training this entry waits for it, then loads it
+    with file_lock(path.with_name(path.name + ".lock")):  # a job that finds another training it waits, then loads
         trained = not weights.exists()
         if trained:
             print(f"rlkit: warm start: {cfg.steps} supervised steps, cached in {path}", file=sys.stderr)

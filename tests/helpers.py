@@ -41,7 +41,7 @@ class RemoteLikeEngine:
     without subclassing the Protocol, as a plugin may be."""
 
     exact_logprobs = False
-    syncs = 0
+    syncs = generations = 0
 
     def __init__(self, policy, tokenizer):
         import copy
@@ -49,6 +49,7 @@ class RemoteLikeEngine:
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
         from rlkit.rollout import generate
+        RemoteLikeEngine.generations += 1
         return generate(self.model, self.tokenizer, prompts, max_new_tokens, temperature, top_p)
 
     def load_weights(self, policy):

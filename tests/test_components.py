@@ -36,11 +36,14 @@ def test_an_engine_with_its_own_numbers_gets_old_logprobs_recomputed_and_weights
 
 
 def test_a_run_generates_only_through_its_engine(tmp_path):
+    before = helpers.RemoteLikeEngine.generations
     run(make_cfg(["++engine._target_=helpers.RemoteLikeEngine", "steps=2"], cache_dir=str(tmp_path / "c")),
         str(tmp_path / "run"))
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines[1]["train/ratio_dev"] == pytest.approx(0.0, abs=1e-6)  # recomputed old log-probs match
     assert "eval/accuracy" in lines[2]
+    # 2 training rollouts and 3 evaluations (steps 0, 1, 2; 8 held-out prompts fit one batch)
+    assert helpers.RemoteLikeEngine.generations - before == 5
 
 
 def test_a_component_missing_a_declared_attribute_is_named():

@@ -1,6 +1,5 @@
 """The wide testbed and metrics split by difficulty and correctness, by hand."""
 import pytest
-import torch
 
 from conftest import make_cfg
 from helpers import make_rollout

@@ -8,7 +8,6 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from conftest import make_cfg
-from helpers import make_rollout
 from rlkit.config import ConfigError
 from rlkit.models import AdaptersOff, TinyQwen2
 from rlkit.rewards import combine, group_zscore

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import FAST, make_cfg
 from helpers import SIGN_ONLY, write_plugin

@@ -2,13 +2,31 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, load_dataset
 
 
 class TaskError(ValueError):
     """Bad task data or a reward function that failed; the message names the row."""
+
+
+def load_table(key: str, source: str, fmt: str, columns: tuple, split: str = "train",
+               config: str | None = None) -> Dataset:
+    """A local file through the `datasets` builder `fmt` (json, csv, parquet), else a hub data set
+    id with its `config` and `split`; fails naming the config key, the source or a missing column."""
+    try:
+        if os.path.exists(source):
+            data = load_dataset(fmt, data_files=source, split="train")
+        else:
+            data = load_dataset(source, config, split=split)
+    except Exception as e:
+        raise TaskError(f"task.{key}: cannot load {fmt} file or data set {source!r}: {type(e).__name__}: {e}") from e
+    for col in columns:
+        if col not in data.column_names:
+            raise TaskError(f"task.{key.removesuffix('_path')} has no '{col}' column (columns: {data.column_names})")
+    return data
 
 
 class Task:

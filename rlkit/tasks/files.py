@@ -1,9 +1,9 @@
 """A task read from data files with `datasets.load_dataset` (JSON lines, CSV, Parquet, ...)."""
 from __future__ import annotations
 
-from datasets import Value, load_dataset
+from datasets import Value
 
-from rlkit.tasks.base import Task, TaskError
+from rlkit.tasks.base import Task, load_table
 
 
 class FileTask(Task):
@@ -14,13 +14,7 @@ class FileTask(Task):
     def __init__(self, train_path: str, eval_path: str, format: str = "json", prompt_key: str = "prompt",
                  answer_key: str = "answer"):
         for name, path in (("train", train_path), ("eval", eval_path)):
-            try:
-                split = load_dataset(format, data_files=path, split="train")
-            except Exception as e:
-                raise TaskError(f"task.{name}_path: cannot load {format} file {path!r}: {type(e).__name__}: {e}") from e
-            for key, col in ((prompt_key, "prompt"), (answer_key, "answer")):
-                if key not in split.column_names:
-                    raise TaskError(f"task.{name} has no '{key}' column (columns: {split.column_names})")
+            split = load_table(f"{name}_path", path, format, (prompt_key, answer_key))
             extra = ["difficulty"] if "difficulty" in split.column_names else []  # optional: metrics split by it
             split = split.select_columns([prompt_key, answer_key, *extra])
             if (prompt_key, answer_key) != ("prompt", "answer"):

@@ -3,12 +3,9 @@
 such as `0.5`, `1/2` and `\\frac{1}{2}` count as equal."""
 from __future__ import annotations
 
-import os
-import re
+from datasets import Dataset
 
-from datasets import Dataset, load_dataset
-
-from rlkit.tasks.base import Task, TaskError
+from rlkit.tasks.base import Task, TaskError, load_table
 
 
 def last_boxed(text: str) -> str | None:
@@ -34,13 +31,6 @@ def reference_answer(solution: str, style: str) -> str | None:
     return solution.strip()
 
 
-def load_split(source: str, split: str, fmt: str, config: str | None) -> Dataset:
-    """A local file (by extension or `fmt`) or a hub data set id with its split."""
-    if os.path.exists(source):
-        return load_dataset(fmt, data_files=source, split="train")
-    return load_dataset(source, config, split=split)
-
-
 class Math(Task):
     """Prompts from `question_key` through `prompt_template`, reference answers extracted from
     `answer_key` as `answer_style` says; reward 1 when math-verify finds the completion's answer
@@ -57,13 +47,7 @@ class Math(Task):
             raise ValueError(f"task.answer_style must be one of {', '.join(self.STYLES)}, got {answer_style!r}")
         self.timeout_s, self.timeouts = timeout_s, 0
         for name, source, split in (("train", train, train_split), ("eval", eval, eval_split)):
-            try:
-                data = load_split(source, split, format, config)
-            except Exception as e:
-                raise TaskError(f"task.{name}: cannot load {source!r}: {type(e).__name__}: {e}") from e
-            for key in (question_key, answer_key):
-                if key not in data.column_names:
-                    raise TaskError(f"task.{name} has no '{key}' column (columns: {data.column_names})")
+            data = load_table(name, source, format, (question_key, answer_key), split, config)
             rows = []
             for i, row in enumerate(data):
                 answer = reference_answer(str(row[answer_key]), answer_style)
