@@ -211,12 +211,13 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:
         _check(cfg[g] is not None, f"no option chosen for group '{g}'")
-    advantage, sampler = build(cfg, "advantage"), target_class(cfg, "sampler")  # the sampler needs run-time data
-    check(advantage, AdvantageEstimator, "advantage")
-    check(sampler, Sampler, "sampler")
-    for g, component in (("advantage", advantage), ("sampler", sampler)):  # they declare `min_group_size`
-        _check(r.group_size >= component.min_group_size,
-               f"{g}={cfg[g]._target_} needs rollout.group_size >= {component.min_group_size}, got {r.group_size}")
+    for g, kind in (("advantage", AdvantageEstimator), ("sampler", Sampler)):  # they declare `min_group_size`
+        cls = target_class(cfg, g)
+        check(cls, kind, g)
+        _check(r.group_size >= cls.min_group_size,
+               f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {r.group_size}")
+    advantage = build(cfg, "advantage")  # built: whether it runs data-parallel may depend on its options
+    for g, component in (("advantage", advantage), ("sampler", target_class(cfg, "sampler"))):
         _check(world == 1 or component.data_parallel, f"{g}={cfg[g]._target_} does not run data-parallel yet; "
                                                       "use one process")
     _check(r.prompts_per_step % world == 0,
