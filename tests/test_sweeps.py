@@ -1,6 +1,7 @@
 """Sweeps and comparison: Hydra multirun, launcher configs, wandb offline files, rlkit-compare."""
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -122,4 +123,6 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
         state = torch.load(tmp_path / "run" / "checkpoints" / f"step_{steps:06d}" / "trainer_state.pt", weights_only=False)
         ids.append(state["run_id"])
     assert ids[0] and ids[0] == ids[1]  # the resumed process logged to the same wandb run
-    assert {p.name.rsplit("-", 1)[1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")} == {ids[0]}
+    # offline-run-<date>_<time>-<id>, plus "-1" when both sessions started within the same second
+    names = [p.name for p in (tmp_path / "run" / "wandb").glob("offline-run-*")]
+    assert {re.match(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)", n)[1] for n in names} == {ids[0]}
