@@ -15,15 +15,15 @@ class KVCache(Engine):
 
     exact_logprobs = True
 
-    def __init__(self, policy: torch.nn.Module, tokenizer):
-        self.policy, self.tokenizer = policy, tokenizer
+    def __init__(self, policy: torch.nn.Module, tokenizer, min_new_tokens: int = 0):
+        self.policy, self.tokenizer, self.min_new_tokens = policy, tokenizer, min_new_tokens
 
     def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0) -> Generation:
         was_training = self.policy.training
         self.policy.eval()
         try:
-            return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p)
+            return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p, self.min_new_tokens)
         finally:
             self.policy.train(was_training)
 

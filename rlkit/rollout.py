@@ -125,9 +125,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0) -> Generation:
-    """Sample one completion per prompt with a KV cache; each row stops at its EOS.
-    temperature 0 is greedy."""
+             top_p: float = 1.0, min_new_tokens: int = 0) -> Generation:
+    """Sample one completion per prompt with a KV cache; each row stops at its EOS (never before
+    `min_new_tokens`). temperature 0 is greedy."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [N, Tp]
     N = prompt_ids.shape[0]
@@ -141,8 +141,11 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     next_pos = pos[:, -1:] + 1  # [N, 1]
     done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
     tokens, alive = [], []
-    for _ in range(max_new_tokens):
-        tok = _sample(out.logits[:, -1].float(), temperature, top_p)  # [N]
+    for t in range(max_new_tokens):
+        logits = out.logits[:, -1].float()  # [N, V]
+        if t < min_new_tokens:
+            logits[:, eos] = float("-inf")
+        tok = _sample(logits, temperature, top_p)  # [N]
         alive.append(~done)
         tokens.append(torch.where(done, pad, tok))
         done = done | (tok == eos)
