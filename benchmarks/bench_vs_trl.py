@@ -280,13 +280,15 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rlkit", nargs="*", default=[], help="extra rlkit overrides, e.g. optim.micro_batch_tokens=512")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}; threads {a.threads}")
     for size in a.sizes:
         for mode in a.modes:
-            report(compare(size, mode, a.rounds, a.warmup, a.prompts, a.group, a.max_new, [f"threads={a.threads}"]))
+            report(compare(size, mode, a.rounds, a.warmup, a.prompts, a.group, a.max_new,
+                           [f"threads={a.threads}", *a.rlkit]))
 
 
 if __name__ == "__main__":

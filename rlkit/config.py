@@ -49,6 +49,8 @@ class OptimConfig:
     mini_batches: int = 1            # optimizer steps per pass (split by groups)
     micro_batch_size: int = 0        # rows per forward/backward (gradient accumulation); 0 = whole mini-batch.
                                      # Need not divide the batch: weights are global, the gradient is the same
+    micro_batch_tokens: int = 0      # padded tokens per forward/backward, 0 = no limit; rows of similar length
+                                     # go together and each micro-batch is trimmed to its longest row
     max_nonfinite: int = 3           # stop after this many updates in a row skipped for NaN/inf
 
 
@@ -201,6 +203,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
            f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}")
     _check(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
     _check(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
+    _check(op.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0, got {op.micro_batch_tokens}")
     _check(0 <= cfg.reward.overlong_cache <= r.max_new_tokens,
            f"reward.overlong_cache must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {cfg.reward.overlong_cache}")
     _check(cfg.reward.combine in ("sum", "normalise"),

@@ -3,10 +3,11 @@ a scalar head, started from the policy's weights, its own optimizer and a clippe
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForTokenClassification
 
 from rlkit.components import Critic
-from rlkit.rollout import Rollout, positions
+from rlkit.rollout import Rollout, trimmed_inputs
 
 
 def build_critic(policy) -> torch.nn.Module:
@@ -23,11 +24,9 @@ def build_critic(policy) -> torch.nn.Module:
 
 def token_values(critic, r: Rollout) -> torch.Tensor:
     """V of the state before each completion token (same alignment as the log-probs).  -> [N, Tc]"""
-    ids = torch.cat([r.prompt_ids, r.completion_ids], 1)  # [N, S]
-    mask = torch.cat([r.prompt_mask, r.completion_mask], 1)  # [N, S]
-    Tc = r.completion_ids.shape[1]
-    out = critic(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits  # [N, S, 1]
-    return out[:, -Tc - 1:-1, 0].float()  # [N, Tc]
+    ids, mask, pos, tc = trimmed_inputs(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    out = critic(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # [N, S', 1]
+    return F.pad(out[:, -tc - 1:-1, 0].float(), (0, r.completion_ids.shape[1] - tc))  # [N, Tc]
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:

@@ -5,14 +5,14 @@ i*G..(i+1)*G-1): left-padded prompts, right-padded completions and their masks.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+
+from rlkit.decode import HFForward, causal_parts, decoder, pack, positions
 
 
 class Generation(NamedTuple):
@@ -107,11 +107,8 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
     return enc["input_ids"], enc["attention_mask"]  # [n, Tp] each
 
 
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)  # [N, S]
-
-
 def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus."""
     if temperature == 0:
         return logits.argmax(-1)  # [N]
     probs = torch.softmax(logits / temperature, -1)  # [N, V]
@@ -120,64 +117,120 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
         drop = sorted_p.cumsum(-1) - sorted_p > top_p  # [N, V] keep the smallest prefix with mass >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1).squeeze(-1)  # [N]
+    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i (no sort, no cumsum)
+    return (probs / torch.empty_like(probs).exponential_().clamp_(min=1e-30)).argmax(-1)  # [N]
 
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, min_new_tokens: int = 0) -> Generation:
+             top_p: float = 1.0, min_new_tokens: int = 0, lean: bool = True) -> Generation:
     """Sample one completion per prompt with a KV cache; each row stops at its EOS (never before
-    `min_new_tokens`). temperature 0 is greedy."""
+    `min_new_tokens`) and leaves the batch soon after (once an eighth of the rows present have
+    finished). temperature 0 is greedy. `lean=False` forces the model's own forward
+    (`rlkit.decode.HFForward`) for architectures the lean decoder supports."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [N, Tp]
     N = prompt_ids.shape[0]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    cache = DynamicCache()
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    mask = prompt_mask
-    pos = positions(mask)  # [N, Tp]
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                logits_to_keep=1, **{cache_kw: cache})
-    next_pos = pos[:, -1:] + 1  # [N, 1]
+    dec = (decoder if lean else HFForward)(model, prompt_ids, prompt_mask, max_new_tokens)
+    logits = dec.prefill()  # [N, V]
+    tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
+    alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]
     done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
-    tokens, alive = [], []
+    rows = torch.arange(N, device=device)  # [n] the original rows still in the batch
+    fin = done  # [n] finished rows still in the batch
+    T = 0
     for t in range(max_new_tokens):
-        logits = out.logits[:, -1].float()  # [N, V]
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
-        tok = _sample(logits, temperature, top_p)  # [N]
-        alive.append(~done)
-        tokens.append(torch.where(done, pad, tok))
-        done = done | (tok == eos)
-        if bool(done.all()):
+        tok = torch.where(fin, pad, _sample(logits, temperature, top_p))  # [n]
+        tokens[rows, t], alive[rows, t] = tok, (~fin).long()
+        fin, T = fin | (tok == eos), t + 1
+        n_fin = int(fin.sum())
+        if n_fin == len(rows):
             break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # [N, S+1]
-        out = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=next_pos,
-                    use_cache=True, **{cache_kw: cache})
-        next_pos = next_pos + 1
-    completion_ids = torch.stack(tokens, 1)  # [N, Tc]
-    completion_mask = torch.stack(alive, 1).long()  # [N, Tc]
-    return Generation(prompt_ids, prompt_mask, completion_ids, completion_mask, ~done)
+        if n_fin and n_fin * 8 >= len(rows):  # drop the finished rows from the batch
+            done[rows[fin]] = True
+            keep = (~fin).nonzero().squeeze(-1)  # [n']
+            dec.keep(keep)
+            rows, tok, fin = rows[keep], tok[keep], fin[keep]
+        logits = dec.step(tok)  # [n, V]
+    done[rows[fin]] = True
+    return Generation(prompt_ids, prompt_mask, tokens[:, :T], alive[:, :T], ~done)
+
+
+def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Prompt + completion without the padding columns that every row shares (leading prompt
+    columns, trailing completion columns), so no compute is spent on them. Positions come from
+    the mask, so trimming changes no row's numbers.  -> ids, mask, position ids [n, S'] and tc, the
+    completion columns kept"""
+    used = completion_mask.any(0).nonzero()  # [k, 1]
+    tc = int(used.max()) + 1 if len(used) else 1
+    p0 = int(prompt_mask.any(0).int().argmax()) if prompt_mask.any() else prompt_mask.shape[1] - 1
+    ids = torch.cat([prompt_ids[:, p0:], completion_ids[:, :tc]], 1)  # [n, S']
+    mask = torch.cat([prompt_mask[:, p0:], completion_mask[:, :tc]], 1)  # [n, S']
+    return ids, mask, positions(mask), tc
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the completion tokens, computing logits only at completion positions and
-    never materialising a full-vocabulary log-softmax. `entropy`: "none", "metric" (no gradient)
-    or "grad" (for an entropy bonus). Returns logp [N, Tc] and entropy [N, Tc] or None."""
-    ids = torch.cat([prompt_ids, completion_ids], 1)  # [N, S]
-    mask = torch.cat([prompt_mask, completion_mask], 1)  # [N, S]
-    Tc = completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                   logits_to_keep=Tc + 1).logits[:, :-1].float()  # [N, Tc, V]
+                   entropy: str = "none", packed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the completion tokens. No compute is spent on padding: Llama-family models
+    run on packed rows (`packed_hidden`), others on the micro-batch trimmed to its longest row
+    (`trimmed_inputs`); logits are computed only where a completion token is predicted and never
+    as a full-vocabulary log-softmax over the sequence. `entropy`: "none", "metric" (no gradient)
+    or "grad" (for an entropy bonus). Returns logp [N, Tc] and entropy [N, Tc] or None (zeros on
+    padding)."""
+    parts = causal_parts(model) if packed else None
+    if parts is not None:
+        hidden, where = packed_hidden(*parts, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [K, H]
+        logits = parts[1](hidden).float()  # [K, V]
+    else:
+        ids, mask, pos, tc = trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                       logits_to_keep=tc + 1).logits[:, :-1].float()  # [N, tc, V]
+        where = (slice(None), slice(0, tc))
     if temperature not in (0, 1):
         logits = logits / temperature
-    lse = logits.logsumexp(-1)  # [N, Tc]
-    logp = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - lse  # [N, Tc]
+    lse = logits.logsumexp(-1)  # [K] or [N, tc]
+    logp = logits.gather(-1, completion_ids[where].unsqueeze(-1)).squeeze(-1) - lse  # [K] or [N, tc]
     if entropy == "none":
-        return logp, None
+        return unpack(logp, where, completion_ids.shape), None
     with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-        return logp, lse - (torch.softmax(logits, -1) * logits).sum(-1)  # [N, Tc]
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # [K] or [N, tc]
+    return unpack(logp, where, completion_ids.shape), unpack(ent, where, completion_ids.shape)
+
+
+def unpack(values: torch.Tensor, where, shape) -> torch.Tensor:
+    out = values.new_zeros(shape)  # [N, Tc]
+    out[where] = values
+    return out
+
+
+def packed_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The decoder's last hidden state before every completion token, with the rows' real tokens
+    packed side by side into rows as wide as the longest sequence (`pack`); position ids restart
+    at each sequence, from which the model's mask keeps sequences apart. Fillers at the end of a
+    packed row are sequences of their own.  -> hidden [K, H] and `where`, the (row, column)
+    indices of the K completion tokens"""
+    ids = torch.cat([prompt_ids, completion_ids], 1)  # [n, S]
+    mask = torch.cat([prompt_mask, completion_mask], 1).bool()  # [n, S]
+    lengths, plen = mask.sum(-1), prompt_mask.sum(-1)  # [n] each
+    width = int(lengths.max())
+    bins, offset, B = pack(lengths.tolist(), width)
+    bins, offset = torch.tensor(bins, device=ids.device), torch.tensor(offset, device=ids.device)  # [n] each
+    within = positions(mask.long())  # [n, S]
+    r, c = mask.nonzero(as_tuple=True)  # [R] each: every real token
+    row, col = bins[r], offset[r] + within[r, c]  # [R] each: its packed place
+    used = torch.zeros(B, dtype=torch.long, device=ids.device).index_add_(0, bins, lengths)  # [B]
+    packed_pos = (torch.arange(width, device=ids.device)[None] - used[:, None]).clamp(min=0)  # [B, W] fillers
+    packed_pos[row, col] = within[r, c]
+    packed_ids = torch.zeros(B, width, dtype=ids.dtype, device=ids.device)  # [B, W]
+    packed_ids[row, col] = ids[r, c]
+    with context:
+        hidden = body(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).last_hidden_state  # [B, W, H]
+    where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each: (row, column) of each completion token
+    before = offset[where[0]] + plen[where[0]] + where[1] - 1  # [K] packed column predicting it
+    return hidden[bins[where[0]], before], where
 
 
 def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none"):

@@ -42,13 +42,30 @@ class Timer(dict):
         self[name] = self.get(name, 0.0) + time.perf_counter() - t0
 
 
-def chunks(n: int, size: int) -> list[torch.Tensor]:
-    return list(torch.arange(n).split(size if size > 0 else max(n, 1)))
+def micro_batches(r: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
+    """`rows` of `r` in micro-batches of similar length, so that trimming each to its own longest
+    row (`trimmed_inputs`) leaves little padding: sorted by prompt + completion length and cut
+    before a micro-batch passes `max_rows` rows or `max_tokens` padded tokens (0: no limit).
+    Returns positions in `rows`.  -> [m] each"""
+    plen, clen = r.prompt_mask[rows].sum(-1).tolist(), r.completion_mask[rows].sum(-1).tolist()  # [n] each
+    out, cur, width = [], [], (0, 0)
+    for i in sorted(range(len(plen)), key=lambda i: plen[i] + clen[i]):
+        grown = (max(width[0], plen[i]), max(width[1], clen[i]))
+        if cur and (len(cur) == max_rows or max_tokens and (len(cur) + 1) * sum(grown) > max_tokens):
+            out.append(torch.tensor(cur))
+            cur, grown = [], (plen[i], clen[i])
+        cur.append(i)
+        width = grown
+    return out + [torch.tensor(cur)] if cur else out
 
 
 @torch.no_grad()
-def batched(fn, r: Rollout, rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([fn(r.select_rows(i)) for i in rows])  # [N, Tc]
+def batched(fn, r: Rollout, micro: list[torch.Tensor]) -> torch.Tensor:
+    """fn over the micro-batches of rows `micro`, put back in row order.  -> [N, Tc]"""
+    out = torch.zeros(r.completion_ids.shape, device=r.completion_ids.device)  # [N, Tc]
+    for rows in micro:
+        out[rows] = fn(r.select_rows(rows))
+    return out
 
 
 @dataclass
@@ -109,7 +126,7 @@ def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
 
 def prepare(run: RunState, rollout: Rollout) -> Batch:
     O, loss = run.cfg.optim, run.loss
-    rows = chunks(rollout.num_rows, O.micro_batch_size)
+    rows = micro_batches(rollout, torch.arange(rollout.num_rows), O.micro_batch_size, O.micro_batch_tokens)
     logp = lambda model: lambda r: rollout_logprobs(model, r, run.cfg.rollout.temperature)[0]  # noqa: E731
     # old log-probs come free from the update itself unless the rollout is reused, the KL sits in the
     # reward, or the engine's numbers are not the trainer's
@@ -156,7 +173,7 @@ def policy_step(run: RunState, batch: Batch, rows: torch.Tensor, stats: UpdateSt
     weights = distributed.global_weights(run.aggregator, batch.mask[rows])  # [n, Tc] normalised over the mini-batch
     run.optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for micro in chunks(len(rows), O.micro_batch_size):
+    for micro in micro_batches(batch.rollout, rows, O.micro_batch_size, O.micro_batch_tokens):
         idx = rows[micro]  # [m]
         r, m = batch.rollout.select_rows(idx), batch.mask[idx]  # m: [m, Tc]
         logp, entropy = rollout_logprobs(run.policy, r, run.cfg.rollout.temperature,
