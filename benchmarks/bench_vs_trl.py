@@ -53,7 +53,7 @@ def rlkit_state(overrides: list[str], run_dir: str, prompts: int, group: int, ma
     shared = ["logger=jsonl", "algo=grpo", "advantage.eps=1e-4", "loss.beta=0.04", "optim.lr=1e-5",
               "optim.warmup_steps=0", "warm_start.steps=0", "eval.every=0", "checkpoint.every=0", "samples_every=0",
               "steps=100000", "task.n_eval=8", f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
-              f"rollout.max_new_tokens={max_new}", f"engine.min_new_tokens={max_new if fixed else 0}"]
+              f"rollout.max_new_tokens={max_new}", *([f"+engine.min_new_tokens={max_new}"] if fixed else [])]
     with initialize_config_module(config_module="rlkit.conf", version_base=None):
         cfg = compose(config_name="config", overrides=[*shared, *overrides])
     state = setup(cfg, run_dir, {}, StopSignals())

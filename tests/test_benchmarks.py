@@ -3,11 +3,15 @@ import importlib.util
 from pathlib import Path
 
 
-def test_rollout_benchmark_runs(capsys):
-    path = Path(__file__).parents[1] / "benchmarks" / "bench_rollout.py"
-    spec = importlib.util.spec_from_file_location("bench_rollout", path)
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_rollout_benchmark_runs(capsys):
+    bench = load("bench_rollout")
     bench.bench_generate(4, 1, max_new=4)
     bench.bench_logprobs(2, 1, prompt_len=4, completion_len=3, vocab=64)  # asserts both give the same log-probs
     out = capsys.readouterr().out
@@ -17,10 +21,27 @@ def test_rollout_benchmark_runs(capsys):
 def test_gpu_check_runs_on_cpu(tmp_path, monkeypatch, capsys):
     """The GPU check's dry run on CPU (the GPU numbers need a GPU; CI has none)."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
-    path = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("gpu_check")
     out = bench.check(["warm_start.steps=0", "model.num_layers=1", "rollout.prompts_per_step=2",
                        "rollout.group_size=2", "task.n_train=16", "task.n_eval=4"], 1, 989.0, "cpu")
     assert out["rollout tokens/s"] > 0 and out["update tokens/s"] > 0 and "MFU" not in out
+
+
+TINY = ["threads=1", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+        "model.intermediate_size=64", "task.n_train=16"]
+
+
+def test_rlkit_and_trl_compute_the_same_advantages_loss_and_gradient(tmp_path, monkeypatch, capsys):
+    """The benchmark against TRL's GRPOTrainer first checks, on one rollout of TRL's, that both
+    sides compute the same numbers; then it alternates steps (timings printed, not asserted)."""
+    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
+    bench = load("bench_vs_trl")
+    for mode in ("natural", "fixed"):
+        res = bench.compare("tiny", mode, rounds=3, warmup=1, prompts=2, group=4, max_new=6, extra=TINY)
+        check = res["check"]
+        assert check["rows"] == 8 and (check["mean length"] == 6 or mode == "natural")
+        for key in ("advantage", "reference logp", "loss", "gradient"):
+            assert check[key] < 1e-5, (mode, key, check[key])
+        assert len(res["rlkit"]["split"]) == 4 and (res["rlkit"]["tokens"] == 48 or mode == "natural")
+        bench.report(res)
+    assert capsys.readouterr().out.count("ratio rlkit/TRL") == 2
