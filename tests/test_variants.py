@@ -88,8 +88,8 @@ def test_plugin_by_hydra_searchpath(tmp_path):
 
 
 def test_dynamic_sampling_that_keeps_nothing_skips_the_update_without_crashing(tmp_path):
-    # an untrained policy gets every answer wrong: no group is informative
-    run(make_cfg(["sampler=dapo", "sampler.max_gen_batches=2", "warm_start.steps=0"]), str(tmp_path))
+    # a tiny nucleus (greedy) gives a group G equal completions: no group is informative
+    run(make_cfg(["sampler=dapo", "sampler.max_gen_batches=2", "rollout.top_p=1e-6"]), str(tmp_path))
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["train/skipped_empty_batch"] for l in lines[1:]] == [1, 1]
     assert [l["sampler/gen_batches"] for l in lines[1:]] == [2, 2]
