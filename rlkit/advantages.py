@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkit import distributed
 from rlkit.components import AdvantageEstimator
 from rlkit.rollout import Rollout
 
@@ -52,13 +53,12 @@ class GRPO(AdvantageEstimator):
         if std_scope not in ("group", "batch"):
             raise ValueError(f"advantage.std_scope must be 'group' or 'batch', got {std_scope!r}")
         self.unbiased, self.eps, self.batch_std = std == "sample", eps, std_scope == "batch"
-        self.data_parallel = not self.batch_std  # a batch std would need every rank's rewards
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
         rewards = grouped(r)  # [P, G]
         diff, flat = centred(rewards)  # [P, G]
         if self.batch_std:
-            std = rewards.reshape(-1).std(unbiased=self.unbiased)  # []
+            std = distributed.mean_std(rewards.reshape(-1), self.unbiased)[1]  # [] over every rank's rewards
         else:
             std = rewards.std(1, unbiased=self.unbiased, keepdim=True)  # [P, 1]
         adv = torch.where(flat, diff, diff / (std + self.eps))  # [P, G]
@@ -85,9 +85,10 @@ class RLOO(AdvantageEstimator):
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries of every rank; std 1 with fewer than two entries."""
     m = mask.bool()
-    mean, std = x[m].mean(), x[m].std() if m.sum() > 1 else x.new_tensor(1.0)
-    return torch.where(m, (x - mean) / (std + eps), torch.zeros_like(x))  # [N, Tc]
+    mean, std, n = distributed.mean_std(x[m])
+    return torch.where(m, (x - mean) / ((std if n > 1 else 1.0) + eps), torch.zeros_like(x))  # [N, Tc]
 
 
 class GAE(AdvantageEstimator):
@@ -99,7 +100,6 @@ class GAE(AdvantageEstimator):
 
     min_group_size = 1
     needs_critic = True
-    data_parallel = False  # whitening over the batch needs every rank's advantages
 
     def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten

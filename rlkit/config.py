@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -225,6 +226,9 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
                                                       "use one process")
     _check(r.prompts_per_step % world == 0,
            f"rollout.prompts_per_step={r.prompts_per_step} must divide among {world} processes")
+    gen_size = math.ceil(r.prompts_per_step * cfg.sampler.get("oversample", 1.0))
+    _check(gen_size % world == 0, f"rollout.prompts_per_step x sampler.oversample = {gen_size} prompts per generation "
+                                  f"batch must divide among {world} processes")
     check(target_class(cfg, "engine"), Engine, "engine")
     if advantage.needs_critic:
         _check(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")

@@ -6,12 +6,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForTokenClassification
 
+from rlkit import distributed
 from rlkit.components import Critic
 from rlkit.rollout import Rollout, trimmed_inputs
 
 
 def build_critic(policy) -> torch.nn.Module:
-    config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1})
+    # no dropout before the value head (token-classification heads default to 0.1): values are deterministic
+    config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0})
     critic = AutoModelForTokenClassification.from_config(config)
     critic.base_model.load_state_dict(policy.base_model.state_dict())
     head = critic.get_output_embeddings() if hasattr(critic, "get_output_embeddings") else None
@@ -60,11 +62,12 @@ class ValueModel(Critic):
         self.optimizer.zero_grad(set_to_none=True)
         values = token_values(self.model, rollout)  # [n, Tc]
         vl = value_loss(values, old_values, returns, self.value_clip)  # [n, Tc]
-        vl = (vl * mask).sum() / mask.sum().clamp(min=1)
+        vl = (vl * mask).sum() / distributed.total(mask.sum()).clamp(min=1)  # mean over every rank's tokens
         vl.backward()
+        distributed.sum_gradients(self.model.parameters())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
-        return float(vl.detach())
+        return float(distributed.total(vl.detach()))
 
     def save(self, path) -> None:
         self.model.save_pretrained(path)

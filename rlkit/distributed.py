@@ -32,6 +32,10 @@ def size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def shard(rows: list, rank: int, world: int) -> list:
     """This rank's contiguous share of the step's prompts (P divisible by the world size)."""
     n = len(rows) // world
@@ -46,6 +50,25 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item() > 0)
 
 
+def total(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over every rank (a copy)."""
+    x = x.detach().clone()
+    if size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def mean_std(x: torch.Tensor, unbiased: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Mean, std and count of the values `x` [k] of every rank together, in two passes as torch
+    computes them; with one process, `x.mean()` and `x.std()`.  -> [], [], n"""
+    if size() == 1:
+        return x.mean(), x.std(unbiased=unbiased), x.numel()
+    n = int(total(x.new_tensor(float(x.numel()))))
+    mean = total(x.sum()) / max(n, 1)
+    var = total(((x - mean) ** 2).sum()) / max(n - (1 if unbiased else 0), 1)
+    return mean, var.sqrt(), n
+
+
 def global_weights(aggregator, mask: torch.Tensor) -> torch.Tensor:
     """The aggregator's weights for this rank's rows, normalised over every rank's rows.  [n, T] -> [n, T]"""
     if size() == 1:
@@ -57,7 +80,7 @@ def global_weights(aggregator, mask: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in shapes]
     dist.all_gather(parts, padded)
     full = torch.cat([p[:s[0]] for p, s in zip(parts, shapes)])  # [sum n, cols] every rank's rows, in rank order
-    start = sum(s[0] for s in shapes[:dist.get_rank()])
+    start = sum(s[0] for s in shapes[:rank()])
     return aggregator.token_weights(full)[start:start + mask.shape[0], :mask.shape[1]]
 
 
@@ -65,7 +88,11 @@ def sum_gradients(params) -> None:
     """Add up every rank's gradients (each rank's loss already carries its global weights)."""
     if size() == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in params if p.requires_grad]
+    for p in params:  # a rank with no rows this step has no gradients: it adds zeros
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat)
     for g, s in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):

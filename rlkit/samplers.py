@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from datasets import Dataset
 
+from rlkit import distributed
 from rlkit.components import Sampler
 from rlkit.rollout import Rollout
 
@@ -48,6 +49,18 @@ def informative_groups(r: Rollout) -> torch.Tensor:
     return (~(g == g[:, :1]).all(1)).nonzero().squeeze(-1)
 
 
+def first_informative(r: Rollout, k: int) -> tuple[torch.Tensor, int]:
+    """This rank's groups among the first k informative groups of the whole batch (every rank's
+    groups in rank order, as one process sees them), and how many were kept over all ranks.
+    -> [<= k] local group indices, count"""
+    shares = distributed.gather((r.num_groups, informative_groups(r).tolist()))  # per rank
+    starts = [sum(n for n, _ in shares[:i]) for i in range(len(shares))]
+    chosen = [start + g for start, (_, groups) in zip(starts, shares) for g in groups][:k]  # global indices
+    mine = starts[distributed.rank()]
+    local = [g - mine for g in chosen if mine <= g < mine + r.num_groups]
+    return torch.tensor(local, dtype=torch.long), len(chosen)
+
+
 class DynamicSampling(Uniform):
     """DAPO dynamic sampling (Yu et al. 2025, arXiv 2503.14476): generate, drop groups whose
     rewards are all equal (accuracy 0 or 1, zero advantage in every group estimator), and
@@ -56,7 +69,6 @@ class DynamicSampling(Uniform):
     uniform sampler, every trained group carries a gradient signal."""
 
     min_group_size = 2  # a group of one never has differing rewards
-    data_parallel = False  # which groups to keep is a decision over every rank's groups
 
     def __init__(self, dataset: Dataset, batch_size: int, seed: int = 0, max_gen_batches: int = 3,
                  oversample: float = 1.0):
@@ -68,11 +80,11 @@ class DynamicSampling(Uniform):
     def sample(self, make_rollout: Callable[[list[dict]], Rollout]) -> tuple[Rollout, dict]:
         kept, n_kept, generated, batches = [], 0, 0, 0
         while n_kept < self.batch_size and batches < self.max_gen_batches:
-            r = make_rollout(self.next_rows(self.gen_size))
-            batches, generated = batches + 1, generated + r.num_groups
-            keep = informative_groups(r)[: self.batch_size - n_kept]
+            r = make_rollout(self.next_rows(self.gen_size))  # this rank's share of the groups
+            batches, generated = batches + 1, generated + self.gen_size
+            keep, n = first_informative(r, self.batch_size - n_kept)
             kept.append(r.select_groups(keep))
-            n_kept += len(keep)
+            n_kept += n
         stats = {"sampler/gen_batches": batches, "sampler/kept_groups": n_kept,
                  "sampler/kept_frac": n_kept / max(generated, 1)}
         return Rollout.cat(kept), stats

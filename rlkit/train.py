@@ -210,11 +210,13 @@ def log(run: RunState, step: int, rollout: Rollout, batch: Batch | None, stats: 
         print(f"rlkit: step {step}: non-finite advantage, loss or gradient norm; update skipped", file=sys.stderr)
     if batch is None:
         metrics["train/skipped_empty_batch"] = 1
-    else:
+    elif rollout.num_rows:  # under data parallel, dynamic sampling may keep nothing on this rank alone
         metrics.update(rollout_metrics(rollout, batch.adv))
         metrics.update(reward_metrics(rollout, list(run.reward_fns)))
     if batch is not None and not stats.skipped:
-        metrics.update(weight_metrics(rollout, batch.adv, distributed.global_weights(run.aggregator, batch.mask)))
+        weights = distributed.global_weights(run.aggregator, batch.mask)  # [N, Tc] every rank takes part
+        if rollout.num_rows:
+            metrics.update(weight_metrics(rollout, batch.adv, weights))
         metrics.update({f"train/{k}": v / max(stats.tokens, 1.0) for k, v in stats.sums.items()})
         metrics.update({"train/loss": sum(stats.losses) / len(stats.losses),
                         "train/grad_norm": sum(stats.grad_norms) / len(stats.grad_norms)})
@@ -253,7 +255,7 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
             state.timer.clear()
             with state.timer("step"):
                 rollout, metrics = collect(state)
-                batch = prepare(state, rollout) if rollout.num_rows else None  # dynamic sampling may keep nothing
+                batch = prepare(state, rollout) if distributed.any_rank(rollout.num_rows > 0) else None  # may keep nothing
                 stats = update(state, batch) if batch is not None else UpdateStats()
             metrics = log(state, step, rollout, batch, stats, metrics)
             bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{state.last_eval['eval/accuracy']:.2f}")

@@ -4,13 +4,31 @@ import os
 import torch
 
 
+def update_on(state, rollout):
+    """The sampler's choice of groups from `rollout` (this rank's share of a generation batch), then
+    prepare and update, as the loop runs them.  -> update stats, kept groups over all ranks"""
+    from rlkit.train import prepare, update
+
+    kept, metrics = state.sampler.sample(lambda rows: rollout)
+    return update(state, prepare(state, kept)), metrics.get("sampler/kept_groups")
+
+
+def snapshot(state, stats) -> dict:
+    """Policy parameters, the critic's last gradient (Adam's step would turn float noise in a
+    near-zero gradient into a full step) and gradient norms after an update."""
+    critic = state.critic.model.named_parameters() if state.critic is not None else []
+    return {"params": {k: v.detach().clone() for k, v in state.policy.state_dict().items()},
+            "critic": {k: v.grad.clone() for k, v in critic if v.grad is not None},
+            "grad_norms": stats.grad_norms, "value_losses": stats.value_losses}
+
+
 def update_on_shard(rank: int, world: int, port: int, overrides: list, cache: str, rollout_path: str, out: str):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from conftest import make_cfg
     from rlkit import distributed
     from rlkit.setup import setup
-    from rlkit.train import Timer, prepare, update
+    from rlkit.train import Timer
 
     distributed.init("cpu")
     state = setup(make_cfg(overrides, cache_dir=cache), os.path.join(out, f"rank{rank}"), {}, rank=rank, world=world)
@@ -18,8 +36,7 @@ def update_on_shard(rank: int, world: int, port: int, overrides: list, cache: st
     rollout = torch.load(rollout_path, weights_only=False)
     per_rank = rollout.num_groups // world
     mine = rollout.select_groups(torch.arange(rank * per_rank, (rank + 1) * per_rank))
-    stats = update(state, prepare(state, mine))
+    stats, kept = update_on(state, mine)
     if rank == 0:
-        torch.save({"params": {k: v.detach().clone() for k, v in state.policy.state_dict().items()},
-                    "grad_norms": stats.grad_norms}, os.path.join(out, "params.pt"))
+        torch.save({**snapshot(state, stats), "kept": kept}, os.path.join(out, "params.pt"))
     torch.distributed.destroy_process_group()

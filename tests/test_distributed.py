@@ -13,11 +13,11 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import FAST, make_cfg
-from ddp_worker import update_on_shard
+from ddp_worker import snapshot, update_on, update_on_shard
 from rlkit import distributed
 from rlkit.config import ConfigError, validate
 from rlkit.setup import setup
-from rlkit.train import Timer, collect, prepare, update
+from rlkit.train import Timer, make_rollout
 
 
 def free_port() -> int:
@@ -26,22 +26,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("aggregator", ["token_mean", "seq_mean_token_mean"])
-def test_two_processes_give_the_single_process_update_on_the_same_batch(tmp_path, aggregator):
-    overrides = [f"aggregator={aggregator}", "optim.micro_batch_size=3", "rollout.prompts_per_step=4"]
+PARALLEL_CASES = {
+    "token_mean": ["aggregator=token_mean"],
+    "seq_mean_token_mean": ["aggregator=seq_mean_token_mean"],
+    # 4 groups generated, 2 kept: the first two informative groups of the whole batch (set below)
+    "dynamic_sampling": ["sampler=dapo", "sampler.oversample=2", "sampler.max_gen_batches=1",
+                         "rollout.prompts_per_step=2"],
+    "batch_std": ["advantage.std_scope=batch"],
+    "gae_whitening_and_critic": ["algo=ppo", "optim.epochs=1", "optim.mini_batches=1"],
+}
+
+
+@pytest.mark.parametrize("case", list(PARALLEL_CASES))
+def test_two_processes_give_the_single_process_update_on_the_same_batch(tmp_path, case):
+    overrides = ["optim.micro_batch_size=3", "rollout.prompts_per_step=4", *PARALLEL_CASES[case]]
     state = setup(make_cfg(overrides, cache_dir=str(tmp_path / "c")), str(tmp_path / "single"), {})
     state.timer = Timer()
-    rollout, _ = collect(state)
+    rollout = make_rollout(state, [state.task.train[i] for i in range(4)])
+    if case == "dynamic_sampling":  # group 0 (rank 0) uninformative, groups 1-3 informative: keeps 1 and 2
+        rollout.rewards = torch.tensor([0.0] * 4 + [1.0, 0, 0, 0] * 3)
     torch.save(rollout, tmp_path / "rollout.pt")
-    stats = update(state, prepare(state, rollout))
+    stats, kept = update_on(state, rollout)
     mp.spawn(update_on_shard, args=(2, free_port(), overrides, str(tmp_path / "c"), str(tmp_path / "rollout.pt"),
                                     str(tmp_path)), nprocs=2)
-    two = torch.load(tmp_path / "params.pt")
+    two, one = torch.load(tmp_path / "params.pt"), snapshot(state, stats)
+    assert two["kept"] == kept == (2 if case == "dynamic_sampling" else None)
     # the gradient itself (its global norm, before clipping; Adam's first step would hide a scale error)
-    assert two["grad_norms"] == pytest.approx(stats.grad_norms, rel=1e-5)
-    one = state.policy.state_dict()
-    assert max(float((one[k] - two["params"][k]).abs().max()) for k in one) < 1e-5
-    assert any(not torch.equal(a, b) for a, b in zip(one.values(), setup(
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    assert two["value_losses"] == pytest.approx(one["value_losses"], rel=1e-5)
+    for which in ("params", "critic"):
+        diffs = {k: float((v - two[which][k]).abs().max()) for k, v in one[which].items()}
+        assert max(diffs.values(), default=0) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
+    assert (case == "gae_whitening_and_critic") == bool(one["critic"])
+    assert any(not torch.equal(a, b) for a, b in zip(one["params"].values(), setup(
         make_cfg(overrides, cache_dir=str(tmp_path / "c")), str(tmp_path / "fresh"), {}).policy.state_dict().values()))
 
 
@@ -51,14 +68,11 @@ def test_each_rank_keeps_whole_groups():
     assert shards == [[0, 1, 2, 3], [4, 5, 6, 7]]  # groups are formed after sharding: G copies of each prompt
 
 
-@pytest.mark.parametrize("override, message", [
-    ("sampler=dapo", "sampler=rlkit.samplers.DynamicSampling does not run data-parallel yet"),
-    ("algo=ppo", "advantage=rlkit.advantages.GAE does not run data-parallel yet"),
-    ("rollout.prompts_per_step=3", "rollout.prompts_per_step=3 must divide among 2 processes"),
-])
-def test_what_does_not_run_data_parallel_yet_is_refused(override, message):
-    with pytest.raises(ConfigError, match=message):
-        validate(make_cfg([override]), world=2)
+def test_what_does_not_divide_among_the_processes_is_refused():
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step=3 must divide among 2 processes"):
+        validate(make_cfg(["rollout.prompts_per_step=3"]), world=2)
+    with pytest.raises(ConfigError, match="= 6 prompts per generation batch must divide among 4 processes"):
+        validate(make_cfg(["sampler=dapo", "sampler.oversample=1.5"]), world=4)
 
 
 def torchrun(run_dir, cache, *extra):
