@@ -1,5 +1,5 @@
-"""Data parallel over torch.distributed (`torchrun --nproc_per_node=K -m rlkit.train ...`; gloo on
-CPU, NCCL on GPU). Every rank draws the same P prompts and keeps its own contiguous share, so a
+"""Data parallel over torch.distributed (`torchrun --nproc_per_node=K -m rlkit.train ...`, or the
+tasks of a SLURM job; gloo on CPU, NCCL on GPU). Every rank draws the same P prompts and keeps its own contiguous share, so a
 group never spans ranks; the aggregator's weights are computed over all ranks' masks and the
 gradients summed, so the update equals the single-process update on the same batch. Rank 0 alone
 writes logs and checkpoints. With one process every helper here is the identity."""
@@ -13,12 +13,26 @@ import torch.nn.functional as F
 
 
 def init(device: str) -> tuple[int, int]:
-    """Join the process group torchrun describes (WORLD_SIZE > 1); returns (rank, world size)."""
+    """Join the process group torchrun describes (WORLD_SIZE > 1), or that of a SLURM job whose
+    tasks are the processes (srun, or the `slurm_ddp` launcher); returns (rank, world size)."""
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+        export_slurm()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(local_device(device)))
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def export_slurm() -> None:
+    """torchrun's variables from SLURM's: one process per task, the master on the job's first node,
+    the port MASTER_PORT or one derived from the job id (the same on every task)."""
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    env = os.environ
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+               MASTER_ADDR=SlurmJobEnvironment().hostnames[0],
+               MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 40000)))
 
 
 def local_device(device: str) -> str:

@@ -132,3 +132,22 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_metrics(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("resuming from") == 2 and "(step 10)" not in again.stderr  # both ranks, mid-run
     assert metrics(tmp_path / "run") == metrics(tmp_path / "ref")
+
+
+def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path):
+    """What srun (or `hydra/launcher=slurm_ddp`) starts: one process per task, with SLURM's
+    variables and none of torchrun's; they join one group and train as a two-process run."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0",
+             "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    tasks = [subprocess.Popen([sys.executable, "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}",
+                               f"hydra.run.dir={tmp_path / 'run'}", "steps=2"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
+             for r in range(2)]
+    for t in tasks:
+        _, err = t.communicate(timeout=600)
+        assert t.returncode == 0, err[-3000:]
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [0, 1, 2]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["processes"] == 2

@@ -30,11 +30,13 @@ def test_multirun_over_two_variants_writes_two_run_directories(tmp_path):
 
 
 @pytest.mark.parametrize("launcher, target", [("joblib", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"),
-                                              ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")])
+                                              ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+                                              ("slurm_ddp", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")])
 def test_launcher_configs_compose(launcher, target):
     with initialize_config_module(config_module="rlkit.conf", version_base=None):
         cfg = compose("config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_ == target
+    assert launcher != "slurm_ddp" or cfg.hydra.launcher.tasks_per_node == cfg.hydra.launcher.gpus_per_node == 8
 
 
 def test_experiment_compare_estimators_composes_and_runs_one_step(tmp_path):
