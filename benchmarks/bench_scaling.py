@@ -31,8 +31,8 @@ PHASES = ("generate", "logprob", "update")
 
 def measure(size: str, group: int, budget: int, prompts: int, steps: int, natural: bool, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        state = rlkit_state([*SIZES[size], f"threads={threads}"], os.path.join(tmp, "run"), prompts, group, budget,
-                            fixed=not natural)
+        state = rlkit_state([*SIZES[size], f"threads={threads}", "+model.max_position_embeddings=512"],
+                            os.path.join(tmp, "run"), prompts, group, budget, fixed=not natural)
         times, splits, tokens = [], [], []
         for _ in range(steps + 1):  # the first step is a warm-up
             state.timer.clear()
