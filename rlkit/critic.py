@@ -13,7 +13,8 @@ from rlkit.rollout import Rollout, trimmed_inputs
 
 def build_critic(policy) -> torch.nn.Module:
     # no dropout before the value head (token-classification heads default to 0.1): values are deterministic
-    config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0})
+    config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1,
+                                                "classifier_dropout": 0.0})
     critic = AutoModelForTokenClassification.from_config(config)
     critic.base_model.load_state_dict(policy.base_model.state_dict())
     head = critic.get_output_embeddings() if hasattr(critic, "get_output_embeddings") else None

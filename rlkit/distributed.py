@@ -1,8 +1,9 @@
 """Data parallel over torch.distributed (`torchrun --nproc_per_node=K -m rlkit.train ...`, or the
-tasks of a SLURM job; gloo on CPU, NCCL on GPU). Every rank draws the same P prompts and keeps its own contiguous share, so a
-group never spans ranks; the aggregator's weights are computed over all ranks' masks and the
-gradients summed, so the update equals the single-process update on the same batch. Rank 0 alone
-writes logs and checkpoints. With one process every helper here is the identity."""
+tasks of a SLURM job; gloo on CPU, NCCL on GPU). Every rank draws the same P prompts and keeps
+its own contiguous share, so a group never spans ranks; the aggregator's weights are computed over
+all ranks' masks and the gradients summed, so the update equals the single-process update on the
+same batch; batch statistics (`mean_std`, `total`) cover every rank. Rank 0 alone writes logs and
+checkpoints. With one process every helper here is the identity."""
 from __future__ import annotations
 
 import os

@@ -10,8 +10,10 @@ from rlkit.rollout import Generation, generate
 class KVCache(Engine):
     """The trainer's own model, sampled with rlkit's batched KV-cache loop (`rlkit.rollout.generate`).
     It generates from the very weights being trained, so its log-probs are the trainer's and
-    `load_weights` has nothing to copy. An engine on other hardware or software (vLLM, SGLang)
-    sets `exact_logprobs = False` and copies the weights in `load_weights`."""
+    `load_weights` has nothing to copy. `min_new_tokens` suppresses EOS before that many tokens
+    (`+engine.min_new_tokens=N`; the benchmarks' fixed-length mode). An engine on other hardware
+    or software (vLLM, SGLang) sets `exact_logprobs = False` and copies the weights in
+    `load_weights`."""
 
     exact_logprobs = True
 
@@ -23,7 +25,8 @@ class KVCache(Engine):
         was_training = self.policy.training
         self.policy.eval()
         try:
-            return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p, self.min_new_tokens)
+            return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p,
+                            self.min_new_tokens)
         finally:
             self.policy.train(was_training)
 

@@ -138,7 +138,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]
     done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
     rows = torch.arange(N, device=device)  # [n] the original rows still in the batch
-    fin = done  # [n] finished rows still in the batch
+    fin = torch.zeros_like(done)  # [n] finished rows still in the batch
     T = 0
     for t in range(max_new_tokens):
         if t < min_new_tokens:

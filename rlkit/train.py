@@ -255,7 +255,8 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
             state.timer.clear()
             with state.timer("step"):
                 rollout, metrics = collect(state)
-                batch = prepare(state, rollout) if distributed.any_rank(rollout.num_rows > 0) else None  # may keep nothing
+                kept = distributed.any_rank(rollout.num_rows > 0)  # dynamic sampling may keep nothing
+                batch = prepare(state, rollout) if kept else None
                 stats = update(state, batch) if batch is not None else UpdateStats()
             metrics = log(state, step, rollout, batch, stats, metrics)
             bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{state.last_eval['eval/accuracy']:.2f}")
