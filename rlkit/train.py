@@ -196,7 +196,7 @@ def policy_step(run: RunState, batch: Batch, rows: torch.Tensor, stats: UpdateSt
         stats.skipped = True
         run.optimizer.zero_grad(set_to_none=True)
         return False
-    stats.losses.append(total)
+    stats.losses.append(float(distributed.total(torch.tensor(total))))  # every rank's share of the loss
     stats.grad_norms.append(grad_norm)
     run.optimizer.step()
     return True

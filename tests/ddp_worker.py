@@ -19,7 +19,7 @@ def snapshot(state, stats) -> dict:
     critic = state.critic.model.named_parameters() if state.critic is not None else []
     return {"params": {k: v.detach().clone() for k, v in state.policy.state_dict().items()},
             "critic": {k: v.grad.clone() for k, v in critic if v.grad is not None},
-            "grad_norms": stats.grad_norms, "value_losses": stats.value_losses}
+            "grad_norms": stats.grad_norms, "value_losses": stats.value_losses, "losses": stats.losses}
 
 
 def update_on_shard(rank: int, world: int, port: int, overrides: list, cache: str, rollout_path: str, out: str):

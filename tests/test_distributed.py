@@ -54,6 +54,7 @@ def test_two_processes_give_the_single_process_update_on_the_same_batch(tmp_path
     # the gradient itself (its global norm, before clipping; Adam's first step would hide a scale error)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
     assert two["value_losses"] == pytest.approx(one["value_losses"], rel=1e-5)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
     for which in ("params", "critic"):
         diffs = {k: float((v - two[which][k]).abs().max()) for k, v in one[which].items()}
         assert max(diffs.values(), default=0) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
