@@ -92,6 +92,7 @@ class RLKitConfig:
     seed: int = 0                    # seed of the RL run
     steps: int = 200                 # RL steps
     device: str = "cpu"              # torch device
+    fsdp: bool = False               # with several processes, shard policy and reference (FSDP2) instead of copying them
     threads: int = 0                 # torch CPU threads; 0 = torch's default (in a parallel sweep: cores / jobs)
     samples_every: int = 25          # log a table of sample completions every k steps (and at step 1); 0 = off
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -229,6 +230,13 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     gen_size = math.ceil(r.prompts_per_step * cfg.sampler.get("oversample", 1.0))
     _check(gen_size % world == 0, f"rollout.prompts_per_step x sampler.oversample = {gen_size} prompts per generation "
                                   f"batch must divide among {world} processes")
+    if cfg.fsdp:
+        _check(world > 1, "fsdp=true shards over several processes: start them with torchrun or srun")
+        _check(not advantage.needs_critic, "fsdp=true does not shard a critic yet: use a group estimator")
+        _check(not cfg.model.get("lora_r", 0), "fsdp=true with LoRA is not supported yet: use model.lora_r=0")
+        _check(target_class(cfg, "sampler").even_shares and not cfg.optim.micro_batch_tokens,
+               "fsdp=true needs as many micro-batches on every process: a sampler with even shares (not "
+               "sampler=dapo) and optim.micro_batch_tokens=0")
     check(target_class(cfg, "engine"), Engine, "engine")
     if advantage.needs_critic:
         _check(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")

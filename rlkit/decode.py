@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from rlkit.fsdp import is_sharded
+
 LEAN_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -52,7 +54,7 @@ def causal_parts(model):
     context = nullcontext()
     if isinstance(model, AdaptersOff):
         model, context = model.policy[0], model.policy[0].disable_adapter()
-    if not lean_supported(model):
+    if not lean_supported(model) or is_sharded(model):  # a sharded model runs through its own forward
         return None
     m = base_model(model)
     return m.model, m.lm_head, context

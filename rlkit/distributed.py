@@ -104,6 +104,11 @@ def sum_gradients(params) -> None:
     if size() == 1:
         return
     params = [p for p in params if p.requires_grad]
+    if any(hasattr(p, "to_local") for p in params):  # fsdp has reduced them already, as a mean over ranks
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(size())
+        return
     for p in params:  # a rank with no rows this step has no gradients: it adds zeros
         if p.grad is None:
             p.grad = torch.zeros_like(p)

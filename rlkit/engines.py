@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkit import fsdp
 from rlkit.components import Engine
 from rlkit.rollout import Generation, generate
 
@@ -25,8 +26,9 @@ class KVCache(Engine):
         was_training = self.policy.training
         self.policy.eval()
         try:
-            return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p,
-                            self.min_new_tokens)
+            with fsdp.full_weights(self.policy):  # a sharded policy is gathered once for the whole call
+                return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p,
+                                self.min_new_tokens)
         finally:
             self.policy.train(was_training)
 

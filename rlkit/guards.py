@@ -83,7 +83,8 @@ def finite(*xs) -> bool:
 
 
 def all_finite(model: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    """Whether this process's parameters (its shards, under fsdp) are all finite."""
+    return all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
 
 
 def check_writable(path: str | Path, key: str) -> None:

@@ -69,6 +69,7 @@ class DynamicSampling(Uniform):
     uniform sampler, every trained group carries a gradient signal."""
 
     min_group_size = 2  # a group of one never has differing rewards
+    even_shares = False  # which groups are kept differs between ranks
 
     def __init__(self, dataset: Dataset, batch_size: int, seed: int = 0, max_gen_batches: int = 3,
                  oversample: float = 1.0):

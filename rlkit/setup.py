@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 from datasets import Dataset
 import torch
+from transformers import AutoModelForCausalLM
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit import checkpoint, distributed
+from rlkit import checkpoint, distributed, fsdp
 from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, Model, PolicyLoss, Sampler
 from rlkit.config import ConfigError, build, resolved
 from rlkit.evaluate import evaluate
@@ -103,6 +104,8 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
                       stop)
     policy.to(device)
     ref = model.reference(policy) if loss.beta > 0 else None
+    if cfg.fsdp:  # after the reference copy and before the optimizer, which then holds shards
+        policy, ref = fsdp.shard(policy), ref if ref is None else fsdp.shard(ref)
     critic = build(cfg, "critic", policy=policy, max_grad_norm=O.max_grad_norm) if advantage.needs_critic else None
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
@@ -122,7 +125,8 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
         run.logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=run.start,
                            run_id=state.get("run_id"), run_info=run_info)
         Path(run_dir, "run.json").write_text(json.dumps({"choices": run_info.get("choices", {}), "config": resolved(cfg),
-                                                         "warm_start": warm, "processes": world}, indent=1))
+                                                         "warm_start": warm, "processes": world,
+                                                         "fsdp": bool(cfg.fsdp)}, indent=1))
     run.first_eval = state.get("first_eval") or evaluate(engine, tokenizer, task, **run.eval_kw)
     run.last_eval = state.get("last_eval", run.first_eval)
     if run.start == 0:
@@ -141,8 +145,12 @@ def resume(run: RunState) -> dict:
         return {}
     state = checkpoint.load_state(last)
     check_resume(state.get("config"), resolved(run.cfg), last)
-    run.model.load(run.policy, last / "policy")
-    run.optimizer.load_state_dict(state["optimizer"])
+    if fsdp.is_sharded(run.policy):
+        fsdp.load_model_state(run.policy, AutoModelForCausalLM.from_pretrained(last / "policy").state_dict())
+        fsdp.load_optimizer_state(run.policy, run.optimizer, state["optimizer"])
+    else:
+        run.model.load(run.policy, last / "policy")
+        run.optimizer.load_state_dict(state["optimizer"])
     run.schedule.load_state_dict(state["schedule"])
     if run.critic is not None:
         run.critic.load(last / "critic")
@@ -156,18 +164,21 @@ def resume(run: RunState) -> dict:
 
 
 def save_checkpoint(run: RunState, step: int) -> Path:
-    if not all_finite(run.policy):  # never write a non-finite state over a good checkpoint
+    if distributed.any_rank(not all_finite(run.policy)):  # never write a non-finite state over a good checkpoint
         raise NonFiniteError(f"the policy has non-finite weights at step {step}; checkpoint not written")
     rng_ranks = distributed.gather(checkpoint.rng_state())  # every rank's, so each resumes its own
+    sharded = fsdp.is_sharded(run.policy)
+    weights = fsdp.model_state(run.policy) if sharded else None  # every rank takes part in gathering
+    optimizer = fsdp.optimizer_state(run.policy, run.optimizer) if sharded else run.optimizer.state_dict()
     if run.rank:
         return Path(run.run_dir) / "checkpoints" / f"step_{step:06d}"
-    models = {"policy": run.policy.save_pretrained}
+    models = {"policy": lambda path: run.policy.save_pretrained(path, state_dict=weights)}
     extra = {}
     if run.critic is not None:
         models["critic"] = run.critic.save
         extra["critic_optimizer"] = run.critic.state_dict()
     return checkpoint.save(run.run_dir, step, models, run.tokenizer,
-                           {"optimizer": run.optimizer.state_dict(), "schedule": run.schedule.state_dict(), **extra,
+                           {"optimizer": optimizer, "schedule": run.schedule.state_dict(), **extra,
                             "sampler": run.sampler.state_dict(), "first_eval": run.first_eval,
                             "last_eval": run.last_eval, "run_id": run.logger.run_id, "config": resolved(run.cfg),
                             "wall_s": run.wall_s()},

@@ -16,8 +16,11 @@ def update_on(state, rollout):
 def snapshot(state, stats) -> dict:
     """Policy parameters, the critic's last gradient (Adam's step would turn float noise in a
     near-zero gradient into a full step) and gradient norms after an update."""
+    from rlkit import fsdp
+
     critic = state.critic.model.named_parameters() if state.critic is not None else []
-    return {"params": {k: v.detach().clone() for k, v in state.policy.state_dict().items()},
+    params = fsdp.model_state(state.policy) if fsdp.is_sharded(state.policy) else state.policy.state_dict()
+    return {"params": {k: v.detach().clone() for k, v in params.items()},
             "critic": {k: v.grad.clone() for k, v in critic if v.grad is not None},
             "grad_norms": stats.grad_norms, "value_losses": stats.value_losses, "losses": stats.losses}
 
@@ -37,6 +40,7 @@ def update_on_shard(rank: int, world: int, port: int, overrides: list, cache: st
     per_rank = rollout.num_groups // world
     mine = rollout.select_groups(torch.arange(rank * per_rank, (rank + 1) * per_rank))
     stats, kept = update_on(state, mine)
+    snap = snapshot(state, stats)  # on every rank: gathering a sharded policy takes all of them
     if rank == 0:
-        torch.save({**snapshot(state, stats), "kept": kept}, os.path.join(out, "params.pt"))
+        torch.save({**snap, "kept": kept}, os.path.join(out, "params.pt"))
     torch.distributed.destroy_process_group()
