@@ -122,9 +122,10 @@ def norm(module, x: torch.Tensor) -> torch.Tensor:
 
 def fused(*linears):
     """One projection computing several plain `nn.Linear`s side by side (outputs concatenated),
-    with the weight stored input-major, which small-batch matmuls run faster on; anything else
-    (a LoRA layer) keeps its own modules."""
-    if all(type(m) is torch.nn.Linear for m in linears):
+    with the weight copied input-major, which small-batch matmuls on a CPU run faster on. On a GPU
+    (where a copy of a large model's weights would not fit and cuBLAS needs none) and for anything
+    else (a LoRA layer) each module runs itself."""
+    if all(type(m) is torch.nn.Linear for m in linears) and linears[0].weight.device.type == "cpu":
         weight = torch.cat([m.weight for m in linears]).t().contiguous()  # [in, sum out]
         if linears[0].bias is None:
             return lambda x: x @ weight
