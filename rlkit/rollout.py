@@ -194,16 +194,17 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     lse = logits.logsumexp(-1)  # [K] or [N, tc]
     logp = logits.gather(-1, completion_ids[where].unsqueeze(-1)).squeeze(-1) - lse  # [K] or [N, tc]
     if entropy == "none":
-        return unpack(logp, where, completion_ids.shape), None
+        return unpack(logp, where, completion_mask), None
     with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
         ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # [K] or [N, tc]
-    return unpack(logp, where, completion_ids.shape), unpack(ent, where, completion_ids.shape)
+    return unpack(logp, where, completion_mask), unpack(ent, where, completion_mask)
 
 
-def unpack(values: torch.Tensor, where, shape) -> torch.Tensor:
-    out = values.new_zeros(shape)  # [N, Tc]
+def unpack(values: torch.Tensor, where, mask: torch.Tensor) -> torch.Tensor:
+    """`values` at the positions `where` of a [N, Tc] matrix, 0 wherever `mask` is 0."""
+    out = values.new_zeros(mask.shape)  # [N, Tc]
     out[where] = values
-    return out
+    return out.masked_fill(mask == 0, 0.0)
 
 
 def packed_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_ids, completion_mask):
