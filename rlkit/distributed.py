@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlkit import fsdp
+
 
 def init(device: str) -> tuple[int, int]:
     """Join the process group torchrun describes (WORLD_SIZE > 1), or that of a SLURM job whose
@@ -104,7 +106,7 @@ def sum_gradients(params) -> None:
     if size() == 1:
         return
     params = [p for p in params if p.requires_grad]
-    if any(hasattr(p, "to_local") for p in params):  # fsdp has reduced them already, as a mean over ranks
+    if any(fsdp.is_shard(p) for p in params):  # fsdp has reduced them already, as a mean over ranks
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(size())

@@ -48,9 +48,13 @@ def full_weights(model: torch.nn.Module):
             m.reshard()
 
 
+def is_shard(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of a sharded tensor (the tensor itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_shard(t) else t
 
 
 def model_state(model: torch.nn.Module) -> dict:

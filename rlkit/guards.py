@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from rlkit import fsdp
+
 from rlkit.config import ConfigError
 
 EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED = 2, 3, 75  # 75: EX_TEMPFAIL, "try again"
@@ -84,7 +86,7 @@ def finite(*xs) -> bool:
 
 def all_finite(model: torch.nn.Module) -> bool:
     """Whether this process's parameters (its shards, under fsdp) are all finite."""
-    return all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
+    return all(bool(torch.isfinite(fsdp.local(p)).all()) for p in model.parameters())
 
 
 def check_writable(path: str | Path, key: str) -> None:

@@ -47,6 +47,9 @@ def micro_batches(r: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: int
     row (`trimmed_inputs`) leaves little padding: sorted by prompt + completion length and cut
     before a micro-batch passes `max_rows` rows or `max_tokens` padded tokens (0: no limit).
     Returns positions in `rows`.  -> [m] each"""
+    if not max_rows and not max_tokens:  # one micro-batch, in the same (stable, by length) order
+        lengths = r.prompt_mask[rows].sum(-1) + r.completion_mask[rows].sum(-1)  # [n]
+        return [torch.argsort(lengths, stable=True).cpu()] if len(rows) else []
     plen, clen = r.prompt_mask[rows].sum(-1).tolist(), r.completion_mask[rows].sum(-1).tolist()  # [n] each
     out, cur, width = [], [], (0, 0)
     for i in sorted(range(len(plen)), key=lambda i: plen[i] + clen[i]):
