@@ -257,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_wandb_runs(a.wandb) if a.wandb else [r for path in a.paths for r in load_runs(path)]
     if not runs:
         p.error(f"no runs (directories with run.json and metrics.jsonl) under {', '.join(map(str, a.paths))}")
+    logged = {k for r in runs for k, series in r.history.items() if series}
+    for m in a.metric:
+        if m not in logged:
+            p.error(f"--metric {m}: no run logged it; logged: {', '.join(sorted(logged)[:40])}")
     groups = group_runs(runs, a.by)
     out = a.out or (a.paths[0] / "compare" if a.paths else Path("compare"))
     out.mkdir(parents=True, exist_ok=True)

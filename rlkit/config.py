@@ -36,6 +36,8 @@ class RewardConfig:
     overlong_cache: int = 0          # DAPO soft overlong punishment over the last k tokens of the budget; 0 = off
     functions: Dict[str, Any] = field(default_factory=dict)  # name -> weighted reward function; {} = the task's reward
     combine: str = "sum"             # sum (weighted sum) | normalise (z-score each term in its group, then sum)
+    timeout_s: float = 60.0          # time limit of one reward call (one completion); past it the run stops naming
+                                     # the row; 0 = no limit
 
 
 @dataclass
@@ -94,6 +96,8 @@ class RLKitConfig:
     device: str = "cpu"              # torch device
     fsdp: bool = False               # with several processes, shard policy and reference (FSDP2) instead of copying them
     threads: int = 0                 # torch CPU threads; 0 = torch's default (in a parallel sweep: cores / jobs)
+    portable: bool = False           # pin torch's CPU kernels to AVX2 (ATEN_CPU_CAPABILITY), so an AVX-512 machine
+                                     # gives an AVX2 machine's numbers; give it on the command line (set before torch starts)
     samples_every: int = 25          # log a table of sample completions every k steps (and at step 1); 0 = off
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -210,6 +214,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
            f"reward.overlong_cache must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {cfg.reward.overlong_cache}")
     _check(cfg.reward.combine in ("sum", "normalise"),
            f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}")
+    _check(cfg.reward.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {cfg.reward.timeout_s}")
     _check(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
     _check(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
     _check(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
@@ -244,7 +249,13 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     check(build(cfg, "aggregator"), Aggregator, "aggregator")
     check(build(cfg, "loss"), PolicyLoss, "loss")
     for name in cfg.reward.functions:
-        check(build(cfg, f"reward.functions.{name}"), RewardFunction, f"reward.functions.{name}")
+        fn = build(cfg, f"reward.functions.{name}")
+        check(fn, RewardFunction, f"reward.functions.{name}")
+        weight = fn.weight
+        _check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+               f"reward.functions.{name}.weight must be a finite number, got {weight!r}")
+    _check(not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
+           f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}")
 
 
 def resolved(cfg: DictConfig) -> dict:

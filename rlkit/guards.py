@@ -14,11 +14,16 @@ from rlkit import fsdp
 
 from rlkit.config import ConfigError
 
-EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED = 2, 3, 75  # 75: EX_TEMPFAIL, "try again"
+EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_STORAGE, EXIT_PREEMPTED = 2, 3, 74, 75  # 74: EX_IOERR; 75: EX_TEMPFAIL, "try again"
 
 
 class Preempted(Exception):
     """SIGTERM or SIGINT arrived; a checkpoint was written and rerunning the command resumes."""
+
+
+class StoppedAtOnce(BaseException):
+    """A second SIGTERM or SIGINT arrived before the step ended: stopped without a checkpoint. A
+    BaseException, like KeyboardInterrupt, so that no handler of user code (a scorer's) swallows it."""
 
 
 class NonFiniteError(RuntimeError):
@@ -26,7 +31,8 @@ class NonFiniteError(RuntimeError):
 
 
 class StopSignals:
-    """Records SIGTERM/SIGINT instead of dying mid-step; the loop checks `received` after each step."""
+    """Records SIGTERM/SIGINT instead of dying mid-step; the loop checks `received` after each step.
+    A second signal raises `StoppedAtOnce` wherever the run is (a scorer that never returns, say)."""
 
     def __init__(self):
         self.received: str | None = None
@@ -39,6 +45,10 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame):
+        if self.received:  # a second signal: the step is not ending (a hung scorer, say); stop now
+            raise StoppedAtOnce(f"stopped at once by a second signal ({signal.Signals(signum).name} after "
+                            f"{self.received}); no checkpoint was written for this step; rerun the same command "
+                            "to resume from the last checkpoint")
         self.received = signal.Signals(signum).name
 
     def __exit__(self, *exc):
@@ -150,8 +160,8 @@ def check_encodable(tokenizer, splits: dict) -> None:
                 raise ConfigError(f"task.{name} row {i} ({text!r}) has characters the tokenizer cannot encode: {lost}")
 
 
-def check_context(tokenizer, model, splits: dict, max_new_tokens: int) -> None:
-    """Every prompt plus the generation budget must fit the model's context."""
+def check_context(tokenizer, model, splits: dict, max_new_tokens: int, key: str) -> None:
+    """Every prompt plus the generation budget (the config `key`) must fit the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if not limit:
         return
@@ -160,17 +170,17 @@ def check_context(tokenizer, model, splits: dict, max_new_tokens: int) -> None:
         i = max(range(len(lengths)), key=lengths.__getitem__)
         if lengths[i] + max_new_tokens > limit:
             raise ConfigError(f"task.{name} row {i} has a prompt of {lengths[i]} tokens; with "
-                              f"rollout.max_new_tokens={max_new_tokens} it exceeds the model's context of {limit}")
+                              f"{key}={max_new_tokens} it exceeds the model's context of {limit}")
 
 
 RESUME_KEYS = ("seed", "advantage", "aggregator", "sampler", "task", "model", "rollout", "loss", "reward", "optim",
-               "warm_start")
+               "warm_start", "fsdp")  # fsdp: its optimizer state is keyed by parameter name, not by position
 
 
 def _training_key(cfg: dict, key: str):
     value = cfg.get(key)
-    if key == "warm_start" and value:  # the cache may move
-        value = {k: v for k, v in value.items() if k != "cache_dir"}
+    if key in ("warm_start", "reward") and value:  # the cache may move; a time limit does not shape training
+        value = {k: v for k, v in value.items() if k not in ("cache_dir", "timeout_s")}
     return value
 
 

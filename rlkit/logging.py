@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from rlkit import files
+
 
 def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
@@ -30,10 +32,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def _truncate(path: Path, step: int) -> None:
-    """Drop records past `step` (a resumed run rewrites them)."""
+    """Drop records past `step` (a resumed run rewrites them); the file is replaced whole, so a kill
+    during the rewrite leaves either the old lines or the kept ones."""
     if path.exists():
         keep = [r for r in read_jsonl(path) if r.get("step", step + 1) <= step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        files.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 class JsonlLogger:

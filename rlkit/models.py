@@ -4,6 +4,7 @@ A model component builds the policy, its frozen reference, and loads saved weigh
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -14,6 +15,7 @@ from rlkit.components import Model
 from rlkit.config import ConfigError
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
@@ -83,11 +85,16 @@ class Pretrained(FullModel):
         self.gradient_checkpointing = gradient_checkpointing
 
     def build(self, alphabet: str, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+        if os.path.isdir(self.path) and not any(os.path.exists(os.path.join(self.path, f)) for f in TOKENIZER_FILES):
+            raise ConfigError(f"model.path={self.path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                              "save the tokenizer next to the weights (tokenizer.save_pretrained)")
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.path)
             model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
         except Exception as e:  # a wrong path, hub id or offline hub: say which
             raise ConfigError(f"model.path={self.path!r} cannot be loaded: {type(e).__name__}: {e}") from e
+        if len(tokenizer) == 0:
+            raise ConfigError(f"model.path={self.path!r}: its tokenizer has an empty vocabulary")
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -96,7 +103,13 @@ class Pretrained(FullModel):
         if self.lora["r"]:
             from peft import LoraConfig, get_peft_model
             torch.manual_seed(seed)
-            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **self.lora))
+            try:
+                model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **self.lora))
+            except ValueError as e:  # peft's NoMatchingPeftModuleError and friends
+                linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                 if isinstance(m, torch.nn.Linear)})
+                raise ConfigError(f"model.lora_targets={self.lora['target_modules']!r} cannot be applied to "
+                                  f"{self.path!r} ({e}); its linear modules are named {linear}") from None
         return model, tokenizer
 
     def reference(self, policy: torch.nn.Module) -> torch.nn.Module:

@@ -69,10 +69,12 @@ def combine(parts: torch.Tensor, weights: list[float], group_size: int, mode: st
     raise ValueError(f"reward.combine must be 'sum' or 'normalise', got {mode!r}")
 
 
-def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], group_size: int):
+def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], group_size: int,
+          timeout_s: float = 0):
     """Rewards of N completions: the task's own, or the reward functions' terms combined as `mode`
-    says.  -> rewards [N], terms [N, K] (None without functions)"""
+    says; each call limited to `timeout_s` seconds.  -> rewards [N], terms [N, K] (None without functions)"""
     if not functions:
-        return task.score(rows, texts), None
-    parts = torch.stack([task.score(rows, texts, partial(fn, task=task)) for fn in functions.values()], 1)  # [N, K]
+        return task.score(rows, texts, timeout_s=timeout_s), None
+    parts = torch.stack([task.score(rows, texts, partial(fn, task=task), name, timeout_s)
+                         for name, fn in functions.items()], 1)  # [N, K]
     return combine(parts, [fn.weight for fn in functions.values()], group_size, mode), parts

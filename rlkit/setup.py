@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import random
 import shutil
 import sys
@@ -22,13 +23,13 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit import checkpoint, distributed, fsdp
+from rlkit import checkpoint, distributed, files, fsdp
 from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, Model, PolicyLoss, Sampler
 from rlkit.config import ConfigError, build, resolved
 from rlkit.evaluate import evaluate
 from rlkit.logging import NullLogger
-from rlkit.guards import (NonFiniteError, NonFiniteGuard, all_finite, check_context, check_encodable, check_resume,
-                          check_writable)
+from rlkit.guards import (EXIT_BAD_INPUT, NonFiniteError, NonFiniteGuard, all_finite, check_context, check_encodable,
+                          check_resume, check_writable)
 from rlkit.tasks.base import Task
 from rlkit.warm_start import applies as warm_start_applies, warm_start
 
@@ -99,7 +100,9 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
                                                     for r in split]) for split in (task.train, task.eval))
     splits = {"train": task.train, "eval": task.eval}
     check_encodable(tokenizer, splits)
-    check_context(tokenizer, policy, splits, R.max_new_tokens)
+    check_context(tokenizer, policy, splits, R.max_new_tokens, "rollout.max_new_tokens")
+    if cfg.eval.max_new_tokens:
+        check_context(tokenizer, policy, {"eval": task.eval}, cfg.eval.max_new_tokens, "eval.max_new_tokens")
     warm = warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)},
                       stop)
     policy.to(device)
@@ -118,20 +121,45 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
                    reward_fns, sampler, optimizer, schedule, guard=NonFiniteGuard(O.max_nonfinite),
                    eval_kw=dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens),
                    rank=rank, world=world)
+    if rank == 0 and not cfg.checkpoint.resume:
+        set_aside(run_dir)
     state = resume(run) if cfg.checkpoint.resume else {}
     if rank:  # rank 0 alone writes
         run.logger = NullLogger()
     else:
         run.logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg), resume_step=run.start,
                            run_id=state.get("run_id"), run_info=run_info)
-        Path(run_dir, "run.json").write_text(json.dumps({"choices": run_info.get("choices", {}), "config": resolved(cfg),
-                                                         "warm_start": warm, "processes": world,
-                                                         "fsdp": bool(cfg.fsdp)}, indent=1))
+        files.write_text(Path(run_dir, "run.json"), json.dumps(
+            {"choices": run_info.get("choices", {}), "config": resolved(cfg), "warm_start": warm, "processes": world,
+             "fsdp": bool(cfg.fsdp), "hardware": hardware(device)}, indent=1))
     run.first_eval = state.get("first_eval") or evaluate(engine, tokenizer, task, **run.eval_kw)
     run.last_eval = state.get("last_eval", run.first_eval)
     if run.start == 0:
         run.logger.log(0, run.first_eval)
     return run
+
+
+PORTABLE_CAPABILITY = "AVX2"  # what `portable=true` pins: the widest that most x86 machines of the last decade run
+
+
+def check_portable(portable: bool) -> None:
+    if portable and torch.backends.cpu.get_cpu_capability() != PORTABLE_CAPABILITY:
+        raise ConfigError(f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels, not "
+                          f"{PORTABLE_CAPABILITY} (the CPU lacks it, or torch chose before rlkit could pin it: set "
+                          f"ATEN_CPU_CAPABILITY={PORTABLE_CAPABILITY.lower()} in the environment)")
+
+
+def hardware(device: torch.device) -> dict:
+    """What decides float rounding: the CPU, the kernels torch chose for it, the versions and threads."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
+        platform.processor()
+    out = {"cpu": cpu, "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "pinned_by": os.environ.get("ATEN_CPU_CAPABILITY") or None, "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
 
 
 def resume(run: RunState) -> dict:
@@ -143,7 +171,10 @@ def resume(run: RunState) -> dict:
             raise ConfigError(f"no intact checkpoint in {run.run_dir}/checkpoints (see above); "
                               "use checkpoint.resume=false to start over")
         return {}
-    state = checkpoint.load_state(last)
+    try:
+        state = checkpoint.load_state(last)
+    except checkpoint.UnsafeCheckpoint as e:
+        raise ConfigError(str(e)) from None
     check_resume(state.get("config"), resolved(run.cfg), last)
     if fsdp.is_sharded(run.policy):
         fsdp.load_model_state(run.policy, AutoModelForCausalLM.from_pretrained(last / "policy").state_dict())
@@ -161,6 +192,27 @@ def resume(run: RunState) -> dict:
     run.finished_before = run.start >= run.cfg.steps
     print(f"rlkit: resuming from {last} (step {run.start})", file=sys.stderr)
     return state
+
+
+HYDRA_FILES = {".hydra", "train.log", ".rlkit.lock"}  # what Hydra and the lock write for every run
+PREVIOUS = "previous_runs"
+
+
+def set_aside(run_dir: str) -> Path | None:
+    """Starting over (`checkpoint.resume=false`) in a directory that holds an earlier run: its files
+    (checkpoints, metrics, summary, wandb) move to `previous_runs/<time>/`, so nothing of it mixes
+    with the new run and nothing is deleted."""
+    old = [p for p in Path(run_dir).iterdir() if p.name not in HYDRA_FILES | {PREVIOUS}]
+    if not old:
+        return None
+    dest = Path(run_dir, PREVIOUS, time.strftime("%Y%m%d-%H%M%S"))
+    dest = next(d for d in (dest.with_name(f"{dest.name}{'' if i == 0 else f'_{i}'}") for i in range(1000))
+                if not d.exists())
+    dest.mkdir(parents=True)
+    for p in old:
+        os.replace(p, dest / p.name)
+    print(f"rlkit: checkpoint.resume=false: the earlier run's files in {run_dir} moved to {dest}", file=sys.stderr)
+    return dest
 
 
 def save_checkpoint(run: RunState, step: int) -> Path:
@@ -187,27 +239,46 @@ def save_checkpoint(run: RunState, step: int) -> Path:
 
 class ComposeCheck(Callback):
     """Notes that Hydra composed the config, so `rlkit-train` can tell a composition error (bad
-    input, exit 2) from a failure inside a run."""
+    input, exit 2) from a failure inside a run. Before Hydra writes into the run directory it checks
+    that the directory is writable (else exit 2 naming the key) and keeps the `.hydra/` files an
+    earlier run left there, so that a refused run can put them back (`restore_hydra_files`)."""
 
     composed = False
+    saved: dict = {}     # path -> bytes of the run directory's .hydra files before this run
+    existed: set = set()  # the run directory and the folders above it that existed before this run
 
     def on_run_start(self, config, **kwargs) -> None:
         ComposeCheck.composed = True
+        run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir")))
+        ComposeCheck.existed = {q for q in (run_dir.resolve(), *run_dir.resolve().parents) if q.is_dir()}
+        try:
+            check_writable(run_dir, "hydra.run.dir")
+        except ConfigError as e:
+            print(f"rlkit: error: {e}", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
+        hydra_dir = run_dir / str(OmegaConf.select(config, "hydra.output_subdir") or ".hydra")
+        ComposeCheck.saved = {p: p.read_bytes() for p in hydra_dir.glob("*.yaml")} if hydra_dir.is_dir() else {}
 
     def on_multirun_start(self, config, **kwargs) -> None:
         ComposeCheck.composed = True
 
 
-def discard_if_empty(run_dir: str) -> None:
-    """Remove a run directory that holds nothing but Hydra's own files (a run refused before it began),
-    and the folders above it that this leaves empty, up to the working directory."""
+def discard_refused(run_dir: str) -> None:
+    """After a refused run: put back the `.hydra/` files an earlier run had in `run_dir`; or, when
+    the directory holds nothing but Hydra's own files of this run, remove it and the folders above
+    it that this run created, up to the working directory."""
+    existed = ComposeCheck.existed
+    if ComposeCheck.saved:
+        for p, data in ComposeCheck.saved.items():
+            p.write_bytes(data)
+        return
     path, cwd = Path(run_dir).resolve(), Path.cwd().resolve()
     if path == cwd or cwd not in path.parents or not path.is_dir() or \
-            not {p.name for p in path.iterdir()} <= {".hydra", "train.log", ".rlkit.lock"}:
+            not {p.name for p in path.iterdir()} <= HYDRA_FILES or path in existed:
         return
     shutil.rmtree(path, ignore_errors=True)
     for parent in path.parents:
-        if parent == cwd or any(parent.iterdir()):
+        if parent == cwd or parent in existed or any(parent.iterdir()):
             break
         parent.rmdir()
 

@@ -15,19 +15,20 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from rlkit import distributed
+from rlkit import distributed, files
 from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
-from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RunDirLock,
-                          StopSignals, checked_advantages, check_writable, finite)
+from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE, NonFiniteError, Preempted, RunDirLock,
+                          StoppedAtOnce, StopSignals, checked_advantages, check_writable, finite)
 from rlkit.metrics import reward_metrics, rollout_metrics, samples, weight_metrics
 from rlkit.rewards import overlong_penalty, score
 from rlkit.rollout import Rollout, rollout_logprobs, step_reward_matrix
-from rlkit.setup import ComposeCheck, RunState, config_path, discard_if_empty, hydra_run_info, save_checkpoint, setup
+from rlkit.setup import (PORTABLE_CAPABILITY, ComposeCheck, RunState, check_portable, config_path, discard_refused,
+                         hydra_run_info, save_checkpoint, setup)
 from rlkit.config import ConfigError, validate
 from rlkit.tasks.base import TaskError
 
@@ -115,12 +116,14 @@ def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
         gen = run.engine.generate([r["prompt"] for r in rows], R.max_new_tokens, R.temperature, R.top_p)
     with run.timer("score"):
         texts = run.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        rewards, parts = score(run.task, run.reward_fns, run.cfg.reward.combine, rows, texts, G)  # [N], [N, K]
+        rewards, parts = score(run.task, run.reward_fns, run.cfg.reward.combine, rows, texts, G,
+                               run.cfg.reward.timeout_s)  # [N], [N, K]
         r = Rollout(*gen, G, rows, texts, rewards.to(run.device), reward_parts=parts)
         if run.cfg.reward.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, run.cfg.reward.overlong_cache)  # [N]
         if run.advantage.needs_step_rewards:
-            r.step_rewards, r.step_mask = step_reward_matrix(run.task.score_steps(rows, texts), gen.completion_ids,
+            r.step_rewards, r.step_mask = step_reward_matrix(run.task.score_steps(rows, texts, run.cfg.reward.timeout_s),
+                                                             gen.completion_ids,
                                                              gen.completion_mask, run.tokenizer)
     return r
 
@@ -245,7 +248,21 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
     and sweep name for the logger."""
     t0 = time.perf_counter()
     rank, world = distributed.init(cfg.device)
+    agreed = False  # whether every rank ends here the same way (finished, or stopped after the same step)
+    try:
+        summary = train(cfg, run_dir, run_info, rank, world, t0)
+        agreed = True
+        return summary
+    except (Preempted, NonFiniteError):  # decided on every rank after the same step
+        agreed = True
+        raise
+    finally:
+        distributed.close(agreed)
+
+
+def train(cfg: DictConfig, run_dir: str, run_info: dict | None, rank: int, world: int, t0: float) -> dict:
     validate(cfg, world)  # every check that needs no model, before anything is built or written
+    check_portable(cfg.portable)
     check_writable(run_dir, "hydra.run.dir")
     with RunDirLock(run_dir) if rank == 0 else nullcontext(), StopSignals() as stop:  # SIGTERM/SIGINT: finish the step
         state = setup(cfg, run_dir, run_info or {}, stop, rank, world)
@@ -287,7 +304,7 @@ def write_summary(state: RunState) -> dict:
         return json.loads(path.read_text())
     summary = {"accuracy_before": state.first_eval["eval/accuracy"], "accuracy_after": state.last_eval["eval/accuracy"],
                "steps": state.cfg.steps, "wall_s": round(state.wall_s(), 1)}
-    path.write_text(json.dumps(summary, indent=1))
+    files.write_text(path, json.dumps(summary, indent=1))
     print(f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
           f"in {summary['wall_s']:.0f}s over {state.cfg.steps} steps ({state.run_dir})", file=sys.stderr)
     return summary
@@ -300,22 +317,38 @@ def app(cfg: DictConfig) -> dict | None:
         return run(cfg, run_dir, hydra_run_info())
     except (ConfigError, TaskError) as e:
         print(f"rlkit: error: {e}", file=sys.stderr)
-        discard_if_empty(run_dir)
+        discard_refused(run_dir)
         sys.exit(EXIT_BAD_INPUT)
     except NonFiniteError as e:
         print(f"rlkit: error: {e}", file=sys.stderr)
         sys.exit(EXIT_NON_FINITE)
-    except Preempted as e:
+    except (Preempted, StoppedAtOnce) as e:
         print(f"rlkit: {e}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
+    except files.StorageError as e:
+        print(f"rlkit: error: {e}; earlier checkpoints are intact: free space and rerun the same command to "
+              "resume", file=sys.stderr)
+        sys.exit(EXIT_STORAGE)
+    except Exception as e:
+        if not distributed.peer_failed(e):
+            raise
+        print(f"rlkit: error: another process of this run failed (its message is above); stopping this one "
+              f"({type(e).__name__})", file=sys.stderr)
+        sys.exit(1)
 
 
 def main() -> None:
     """`rlkit-train`. Like `python -m`, puts the current directory on the import path, so a plugin
     module next to the user's configs imports. A config that does not compose exits 2, as other
-    bad input does (Hydra's own message says why)."""
+    bad input does (Hydra's own message says why). `portable=true` pins torch's CPU kernels before
+    any of them runs."""
+    if any(a.lstrip("+").lower() == "portable=true" for a in sys.argv[1:]):
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", PORTABLE_CAPABILITY.lower())  # read when torch first dispatches
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    launched = distributed.launch_time()
+    if launched is not None:  # every rank resolves ${now:...} (the default run directory) to the same folder
+        OmegaConf.register_new_resolver("now", launched.strftime, use_cache=True, replace=True)
     try:
         app()
     except SystemExit as e:

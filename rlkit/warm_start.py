@@ -9,13 +9,14 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from rlkit import checkpoint
+from rlkit.files import staged
 from rlkit.guards import Preempted, file_lock
 from rlkit.rollout import encode_prompts, token_logprobs
 
@@ -70,16 +71,17 @@ def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
                                       "seed": cfg.seed})
     weights = path / "weights.pt"  # plain torch.save: the same on every rank of a torchrun job
     with file_lock(path.with_name(path.name + ".lock")):  # a job that finds another training it waits, then loads
-        trained = not weights.exists()
+        why = checkpoint.damage(path) if path.exists() else "absent"
+        if why not in (None, "absent"):
+            print(f"rlkit: warm-start cache {path} is damaged ({why}); training it again", file=sys.stderr)
+        trained = why is not None
         if trained:
             print(f"rlkit: warm start: {cfg.steps} supervised steps, cached in {path}", file=sys.stderr)
             train_supervised(policy, tokenizer, task, cfg.steps, cfg.batch_size, cfg.lr, cfg.seed, stop)
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            torch.save(policy.state_dict(), tmp / weights.name)
-            (tmp / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
+            with staged(path, "the warm-start cache (warm_start.cache_dir)") as tmp:
+                tmp.mkdir(parents=True)
+                torch.save(policy.state_dict(), tmp / weights.name)
+                (tmp / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
+                checkpoint.write_manifest(tmp)
         policy.load_state_dict(torch.load(weights, weights_only=True))
     return {"cache": str(path), "trained": trained}

@@ -97,3 +97,25 @@ SIGN_ONLY = ("from rlkit.advantages import centred, grouped, per_token\n"
              "    def __call__(self, rollout, values=None):\n"
              "        diff, _ = centred(grouped(rollout))\n"
              "        return per_token(diff.sign(), rollout)\n")
+
+
+class HangingReward:
+    """A reward function that never returns (a scorer stuck in a loop)."""
+
+    def __init__(self, weight: float = 1.0):
+        self.weight = weight
+
+    def __call__(self, row, completion, task):
+        while True:
+            pass
+
+
+class NumpyReward:
+    """A reward function that returns numpy numbers, as many scorers do."""
+
+    def __init__(self, weight: float = 1.0, value: float = 0.5):
+        self.weight, self.value = weight, value
+
+    def __call__(self, row, completion, task):
+        import numpy as np
+        return np.float32(self.value)

@@ -1,23 +1,47 @@
 """What every task provides: datasets of prompts with answers, and a reward."""
 from __future__ import annotations
 
+import csv
+import json
 import math
 import os
 
+import numpy as np
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset, Features, Value, load_dataset
+
+from rlkit.watchdog import WATCHDOG, TimeLimit
 
 
 class TaskError(ValueError):
     """Bad task data or a reward function that failed; the message names the row."""
 
 
+def read_json_text(path: str) -> Dataset:
+    """A JSON-lines file (or one JSON array of objects) with every number kept as the text the file
+    spells it (`007`, `1.50`, a 20-digit integer), strings as they are."""
+    text = open(path, encoding="utf-8").read()
+    load = lambda s: json.loads(s, parse_int=str, parse_float=str, parse_constant=str)  # noqa: E731
+    rows = load(text) if text.lstrip().startswith("[") else [load(line) for line in text.splitlines() if line.strip()]
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError("expected one JSON object per line (or a JSON array of objects)")
+    return Dataset.from_list(rows)
+
+
 def load_table(key: str, source: str, fmt: str, columns: tuple, split: str = "train",
-               config: str | None = None) -> Dataset:
+               config: str | None = None, as_text: bool = False) -> Dataset:
     """A local file through the `datasets` builder `fmt` (json, csv, parquet), else a hub data set
-    id with its `config` and `split`; fails naming the config key, the source or a missing column."""
+    id with its `config` and `split`; fails naming the config key, the source or a missing column.
+    `as_text`: the values of a local JSON or CSV file are read as the file's text, not as numbers."""
     try:
-        if os.path.exists(source):
+        if os.path.exists(source) and as_text and fmt == "json":
+            data = read_json_text(source)
+        elif os.path.exists(source) and as_text and fmt == "csv":
+            with open(source, newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), [])
+            data = load_dataset(fmt, data_files=source, split="train", keep_default_na=False,
+                                features=Features({c: Value("string") for c in header}))
+        elif os.path.exists(source):
             data = load_dataset(fmt, data_files=source, split="train")
         else:
             data = load_dataset(source, config, split=split)
@@ -66,29 +90,44 @@ class Task:
                 if a is None or str(a) == "":
                     raise TaskError(f"task.{name} row {i} ({p!r}) has no answer")
 
-    def score(self, rows: list[dict], completions: list[str], fn=None) -> torch.Tensor:
-        """Rewards for N completions by `fn(row, completion)` (default: the task's `reward`); rows[i]
-        is completion i's dataset row.  -> [N]"""
+    def score(self, rows: list[dict], completions: list[str], fn=None, name: str | None = None,
+              timeout_s: float = 0) -> torch.Tensor:
+        """Rewards for N completions by `fn(row, completion)` (default: the task's `reward`; `name`:
+        its key under reward.functions, for messages), each call limited to `timeout_s` seconds;
+        rows[i] is completion i's dataset row.  -> [N]"""
         fn = fn or self.reward
-        return torch.tensor([_checked(fn, i, row, text) for i, (row, text) in enumerate(zip(rows, completions))])
+        return torch.tensor([_checked(fn, i, row, text, name, timeout_s)
+                             for i, (row, text) in enumerate(zip(rows, completions))])
 
-    def score_steps(self, rows: list[dict], completions: list[str]) -> list[list[tuple[int, float]]]:
+    def score_steps(self, rows: list[dict], completions: list[str], timeout_s: float = 0) -> list[list]:
         """(end character, reward) of each step of each completion, checked like `score`."""
-        return [_checked(self.step_rewards, i, row, text) for i, (row, text) in enumerate(zip(rows, completions))]
+        return [_checked(self.step_rewards, i, row, text, timeout_s=timeout_s)
+                for i, (row, text) in enumerate(zip(rows, completions))]
 
 
 def _finite(x) -> bool:
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+    """A real number (Python's, numpy's or a one-element tensor's) that is finite; bools are refused."""
+    if isinstance(x, (bool, np.bool_)) or isinstance(x, str):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
-def _checked(fn, i: int, row: dict, text: str):
-    """Call a reward function; an exception or a non-finite result names the row and completion."""
+def _checked(fn, i: int, row: dict, text: str, name: str | None = None, timeout_s: float = 0):
+    """Call a reward function, for at most `timeout_s` seconds (0: no limit); an exception, a
+    time-out or a non-finite result names the function, the row and the completion."""
+    who = f"reward.functions.{name}" if name else "the task's reward function"
     where = f"row {i} (prompt {row.get('prompt')!r}, completion {text!r})"
     try:
-        out = fn(row, text)
+        with WATCHDOG.limit(timeout_s):
+            out = fn(row, text)
+    except TimeLimit as e:
+        raise TaskError(f"{who} was stopped on {where}: {e} (reward.timeout_s={timeout_s:g})") from None
     except Exception as e:  # never score 0 silently
-        raise TaskError(f"reward function raised on {where}: {type(e).__name__}: {e}") from e
+        raise TaskError(f"{who} raised on {where}: {type(e).__name__}: {e}") from e
     values = [r for _, r in out] if isinstance(out, list) else [out]
     if not all(_finite(v) for v in values):
-        raise TaskError(f"reward function returned {out!r} for {where}; expected a finite number")
-    return out if isinstance(out, list) else float(out)
+        raise TaskError(f"{who} returned {out!r} for {where}; expected a finite number")
+    return [(int(end), float(r)) for end, r in out] if isinstance(out, list) else float(out)

@@ -7,14 +7,15 @@ from rlkit.tasks.base import Task, load_table
 
 
 class FileTask(Task):
-    """Prompts and reference answers from local files (or a hub data set id when online);
-    reward 1 when the completion, stripped, equals the answer. An optional `difficulty` column
+    """Prompts and reference answers from local files (or a hub data set id when online), as the
+    files spell them (a JSON or CSV number keeps its text: `007`, `1.50`); reward 1 when the
+    completion, stripped, equals the answer. An optional `difficulty` column
     splits the metrics by its values."""
 
     def __init__(self, train_path: str, eval_path: str, format: str = "json", prompt_key: str = "prompt",
                  answer_key: str = "answer"):
         for name, path in (("train", train_path), ("eval", eval_path)):
-            split = load_table(f"{name}_path", path, format, (prompt_key, answer_key))
+            split = load_table(f"{name}_path", path, format, (prompt_key, answer_key), as_text=True)
             extra = ["difficulty"] if "difficulty" in split.column_names else []  # optional: metrics split by it
             split = split.select_columns([prompt_key, answer_key, *extra])
             if (prompt_key, answer_key) != ("prompt", "answer"):

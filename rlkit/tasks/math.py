@@ -3,6 +3,8 @@
 such as `0.5`, `1/2` and `\\frac{1}{2}` count as equal."""
 from __future__ import annotations
 
+import sys
+
 from datasets import Dataset
 
 from rlkit.tasks.base import Task, TaskError, load_table
@@ -50,20 +52,38 @@ class Math(Task):
             data = load_table(name, source, format, (question_key, answer_key), split, config)
             rows = []
             for i, row in enumerate(data):
-                answer = reference_answer(str(row[answer_key]), answer_style)
+                if row[question_key] is None or not str(row[question_key]).strip():
+                    raise TaskError(f"task.{name} row {i} has no {question_key!r} (got {row[question_key]!r})")
+                answer = reference_answer(str(row[answer_key]), answer_style) if row[answer_key] is not None else None
                 if not answer:
                     raise TaskError(f"task.{name} row {i}: no {answer_style} answer in {str(row[answer_key])[-80:]!r}")
                 rows.append({"prompt": prompt_template.format(question=row[question_key]), "answer": answer})
             setattr(self, name, Dataset.from_list(rows))
+            self.unsolvable = self._warn_unsolvable(name)
+        self.timeouts = 0
+
+    def _warn_unsolvable(self, name: str) -> int:
+        """Rows whose reference answer math-verify cannot match even when a completion states it
+        exactly (unparsable, or past the time limit) can never score 1: counted and said once."""
+        split = getattr(self, name)
+        bad = [i for i, row in enumerate(split) if self.reward(row, f"\\boxed{{{row['answer']}}}") != 1.0]
+        if bad:
+            print(f"rlkit: warning: task.{name}: {len(bad)} of {len(split)} rows have a reference answer that "
+                  f"math-verify cannot match even against itself, so they always score 0 (rows "
+                  f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}; e.g. "
+                  f"{split[bad[0]]['answer'][:60]!r})", file=sys.stderr)
+        return len(bad)
 
     def reward(self, row: dict, completion: str) -> float:
         from math_verify import parse, verify
+        from math_verify.errors import TimeoutException
         try:
             gold = parse(f"${row['answer']}$", parsing_timeout=self.timeout_s, raise_on_error=True)
             pred = parse(completion, parsing_timeout=self.timeout_s, raise_on_error=True)
             return float(verify(gold, pred, timeout_seconds=self.timeout_s, raise_on_error=True))
-        except Exception as e:  # unparsable answers score 0; a timeout is counted, never hangs the step
-            self.timeouts += "timeout" in type(e).__name__.lower() or "timeout" in str(e).lower()
+        except (Exception, TimeoutException) as e:  # unparsable answers score 0; a timeout is counted
+            # (math-verify's TimeoutException is a BaseException, so it is named here)
+            self.timeouts += isinstance(e, TimeoutException) or "timeout" in str(e).lower()
             return 0.0
 
     def step_metrics(self) -> dict:
