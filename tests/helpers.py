@@ -119,3 +119,16 @@ class NumpyReward:
     def __call__(self, row, completion, task):
         import numpy as np
         return np.float32(self.value)
+
+
+class FailsOnRank1:
+    """A reward function that raises on the second process of a data-parallel run only."""
+
+    def __init__(self, weight: float = 1.0):
+        self.weight = weight
+
+    def __call__(self, row, completion, task):
+        import os
+        if os.environ.get("RANK") == "1":
+            raise RuntimeError("scorer bug on rank 1")
+        return 0.0

@@ -177,3 +177,39 @@ def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path):
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2]
     assert json.loads((tmp_path / "run" / "run.json").read_text())["processes"] == 2
+
+
+def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path):
+    """What a scheduler does on preemption: SIGTERM to the launcher, which forwards it to the ranks."""
+    from test_reliability import metrics
+    cmd = [sys.executable, "-m", "rlkit.launch", "--nproc_per_node=2", "--master_port", str(free_port()),
+           "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}", f"hydra.run.dir={tmp_path / 'run'}",
+           "steps=200", "checkpoint.every=0", "eval.every=0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 300
+        while not ((tmp_path / "run" / "metrics.jsonl").exists() and len(metrics(tmp_path / "run")) > 2):
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert err.count("stopped by SIGTERM after step") == 2 and "rlkit-launch: stopped by SIGTERM" in err
+    assert "Traceback" not in err
+    last = metrics(tmp_path / "run")[-1]["step"]
+    assert (tmp_path / "run" / "checkpoints" / f"step_{last:06d}").is_dir()
+
+
+def test_a_failure_on_one_rank_stops_the_others_with_one_named_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rlkit.launch", "--nproc_per_node=2", "--master_port",
+                          str(free_port()), "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}",
+                          f"hydra.run.dir={tmp_path / 'run'}", "rewards=accuracy_format",
+                          "++reward.functions.format._target_=helpers.FailsOnRank1", "~reward.functions.format.pattern"],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)})
+    assert out.returncode == 2, out.stderr[-3000:]  # rank 1's bad input, not torchrun's 1
+    assert "reward.functions.format raised on row 0" in out.stderr  # rank 1's own error
+    assert "another process of this run failed (its message is above)" in out.stderr  # rank 0's one line
+    assert "rlkit-launch: rank 1 exited with code 2" in out.stderr and "Traceback" not in out.stderr

@@ -23,7 +23,7 @@ from rlkit.tasks.base import TaskError
 from rlkit.train import run
 from test_reliability import command, metrics, wait_for
 
-TESTS = str(Path(__file__).parent)
+TESTS = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def cli(run_dir, cache, *extra, env=None):
@@ -241,13 +241,16 @@ def test_a_second_signal_stops_a_hung_scorer_at_once(tmp_path):
                                     "++reward.functions.format._target_=helpers.HangingReward",
                                     "~reward.functions.format.pattern", "reward.timeout_s=0", "warm_start.steps=0"),
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": TESTS})
-    wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), proc)  # the first evaluation is done
-    time.sleep(2)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(1)
-    assert proc.poll() is None  # the first signal waits for the step, which never ends
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == EXIT_PREEMPTED
+    try:
+        wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), proc)  # the first evaluation is done
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1)
+        assert proc.poll() is None  # the first signal waits for the step, which never ends
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == EXIT_PREEMPTED
+    finally:
+        proc.kill()
     err = proc.stderr.read()
     assert "stopped at once by a second signal (SIGINT after SIGINT)" in err and "Traceback" not in err
 
