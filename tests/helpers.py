@@ -132,3 +132,19 @@ class FailsOnRank1:
         if os.environ.get("RANK") == "1":
             raise RuntimeError("scorer bug on rank 1")
         return 0.0
+
+
+ODD = {"float32": lambda: __import__("numpy").float32(0.5), "int": lambda: 1, "bool": lambda: True,
+       "str": lambda: "1", "none": lambda: None, "list": lambda: [1.0], "tensor": lambda: __import__("torch").tensor(0.5),
+       "tensor2": lambda: __import__("torch").tensor([0.5, 1.0]), "nan": lambda: float("nan"), "huge": lambda: 1e308,
+       "raise": lambda: 1 / 0, "hang": lambda: __import__("time").sleep(3600)}
+
+
+class OddReward:
+    """A reward function that returns (or does) one odd thing, for fuzzing."""
+
+    def __init__(self, kind: str, weight: float = 1.0):
+        self.kind, self.weight = kind, weight
+
+    def __call__(self, row, completion, task):
+        return ODD[self.kind]()

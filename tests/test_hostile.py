@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from conftest import FAST, make_cfg
 from rlkit import checkpoint
@@ -322,3 +323,47 @@ def test_portable_mode_pins_avx2_and_changes_nothing_where_avx2_already_runs(tmp
     assert metrics(tmp_path / "pinned") == metrics(tmp_path / "portable")
     hw = json.loads((tmp_path / "portable" / "run.json").read_text())["hardware"]
     assert hw["cpu_capability"] == "AVX2" and hw["pinned_by"] == "avx2" and hw["cpu"]
+
+
+FUZZ_SEEN = []
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # a failure is reported as drawn, not shrunk
+@given(st.sampled_from(["reward"] * 3 + ["model", "math"]),
+       st.sampled_from(sorted(__import__("helpers").ODD)),
+       st.sampled_from(["ok", "missing", "file", "empty_dir", "no_tokenizer", "corrupt_weights"]),
+       st.lists(st.sampled_from(['{"question": "1+1", "answer": "#### 2"}', '{"question": null, "answer": "#### 1"}',
+                                 '{"question": "q", "answer": null}', '{"question": "q", "answer": "no marker"}',
+                                 '{"question": "q", "answer": "#### 9^9^9^9"}', '{"question": 3, "answer": "#### 3"}',
+                                 '{"q": "x"}', 'not json', '']), min_size=1, max_size=4))
+def test_fuzzed_reward_functions_model_paths_and_math_files_run_or_fail_with_rlkits_message(
+        tmp_path_factory, saved_model, what, odd, model, lines):
+    """No traceback from deep inside: each example trains or stops with rlkit's own error."""
+    d = tmp_path_factory.mktemp("fuzz")
+    if what == "reward":
+        extra = ["rewards=accuracy_format", "++reward.functions.format._target_=helpers.OddReward",
+                 f"++reward.functions.format.kind={odd}", "~reward.functions.format.pattern", "reward.timeout_s=1"]
+    elif what == "model":
+        path = {"ok": saved_model, "missing": d / "nowhere", "file": d / "file", "empty_dir": d / "empty"}.get(model, d / "m")
+        (d / "file").write_text("x")
+        (d / "empty").mkdir()
+        if model in ("no_tokenizer", "corrupt_weights"):
+            shutil.copytree(saved_model, path)
+            for f in (["tokenizer.json", "tokenizer_config.json"] if model == "no_tokenizer" else []):
+                (path / f).unlink(missing_ok=True)
+            if model == "corrupt_weights":
+                (path / "model.safetensors").write_bytes(b"\0" * 100)
+        extra = ["model=pretrained", f"model.path={path}", "warm_start.steps=0"]
+    else:
+        (d / "m.jsonl").write_text("\n".join(lines) + "\n")
+        extra = ["task=math", f"task.train={d / 'm.jsonl'}", f"task.eval={d / 'm.jsonl'}", "task.timeout_s=1",
+                 "task.prompt_template='{question}='", "warm_start.steps=0", "rollout.max_new_tokens=8"]
+    try:
+        run(make_cfg(["steps=1", *extra], cache_dir=str(d / "c")), str(d / "run"))
+        outcome = "ran"
+    except (ConfigError, TaskError) as e:
+        assert str(e)
+        outcome = f"{type(e).__name__}: {str(e)[:90]}"
+    FUZZ_SEEN.append((what, odd if what == "reward" else model if what == "model" else lines, outcome))
+    print("fuzz:", FUZZ_SEEN[-1])

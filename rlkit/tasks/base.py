@@ -101,7 +101,7 @@ class Task:
 
     def score_steps(self, rows: list[dict], completions: list[str], timeout_s: float = 0) -> list[list]:
         """(end character, reward) of each step of each completion, checked like `score`."""
-        return [_checked(self.step_rewards, i, row, text, timeout_s=timeout_s)
+        return [_checked(self.step_rewards, i, row, text, timeout_s=timeout_s, steps=True)
                 for i, (row, text) in enumerate(zip(rows, completions))]
 
 
@@ -115,9 +115,15 @@ def _finite(x) -> bool:
         return False
 
 
-def _checked(fn, i: int, row: dict, text: str, name: str | None = None, timeout_s: float = 0):
+def _steps_ok(out) -> bool:
+    return isinstance(out, list) and all(isinstance(s, (tuple, list)) and len(s) == 2 and _finite(s[0]) and
+                                         _finite(s[1]) for s in out)
+
+
+def _checked(fn, i: int, row: dict, text: str, name: str | None = None, timeout_s: float = 0, steps: bool = False):
     """Call a reward function, for at most `timeout_s` seconds (0: no limit); an exception, a
-    time-out or a non-finite result names the function, the row and the completion."""
+    time-out or a result that is not a finite number (`steps`: a list of (end, reward) pairs) names
+    the function, the row and the completion."""
     who = f"reward.functions.{name}" if name else "the task's reward function"
     where = f"row {i} (prompt {row.get('prompt')!r}, completion {text!r})"
     try:
@@ -127,7 +133,11 @@ def _checked(fn, i: int, row: dict, text: str, name: str | None = None, timeout_
         raise TaskError(f"{who} was stopped on {where}: {e} (reward.timeout_s={timeout_s:g})") from None
     except Exception as e:  # never score 0 silently
         raise TaskError(f"{who} raised on {where}: {type(e).__name__}: {e}") from e
-    values = [r for _, r in out] if isinstance(out, list) else [out]
-    if not all(_finite(v) for v in values):
+    if steps:
+        if not _steps_ok(out):
+            raise TaskError(f"{who} returned {out!r} for {where}; expected a list of (end character, finite "
+                            "reward) pairs")
+        return [(int(end), float(r)) for end, r in out]
+    if not _finite(out):
         raise TaskError(f"{who} returned {out!r} for {where}; expected a finite number")
-    return [(int(end), float(r)) for end, r in out] if isinstance(out, list) else float(out)
+    return float(out)
