@@ -96,8 +96,8 @@ class RLKitConfig:
     device: str = "cpu"              # torch device
     fsdp: bool = False               # with several processes, shard policy and reference (FSDP2) instead of copying them
     threads: int = 0                 # torch CPU threads; 0 = torch's default (in a parallel sweep: cores / jobs)
-    portable: bool = False           # pin torch's CPU kernels to AVX2 (ATEN_CPU_CAPABILITY), so an AVX-512 machine
-                                     # gives an AVX2 machine's numbers; give it on the command line (set before torch starts)
+    portable: bool = False           # pin ATen, MKL and oneDNN CPU kernels to AVX2, so x86 machines with AVX2 or
+                                     # AVX-512 run the same kernels; give it on the command line (set before torch starts)
     samples_every: int = 25          # log a table of sample completions every k steps (and at step 1); 0 = off
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -103,8 +103,9 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
     check_context(tokenizer, policy, splits, R.max_new_tokens, "rollout.max_new_tokens")
     if cfg.eval.max_new_tokens:
         check_context(tokenizer, policy, {"eval": task.eval}, cfg.eval.max_new_tokens, "eval.max_new_tokens")
-    warm = warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)},
-                      stop)
+    kernels = {k: v for k, v in hardware(device).items() if k in ("cpu_capability", "pins")}  # they change its numbers
+    warm = warm_start(policy, tokenizer, task, cfg.warm_start,
+                      {"model": resolved(cfg.model), "task": resolved(cfg.task), "kernels": kernels}, stop)
     policy.to(device)
     ref = model.reference(policy) if loss.beta > 0 else None
     if cfg.fsdp:  # after the reference copy and before the optimizer, which then holds shards
@@ -139,14 +140,19 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
     return run
 
 
-PORTABLE_CAPABILITY = "AVX2"  # what `portable=true` pins: the widest that most x86 machines of the last decade run
+# What `portable=true` pins before torch starts: ATen's vectorised kernels, MKL's BLAS (conditional
+# numerical reproducibility) and oneDNN all to AVX2, the widest that most x86 machines of the last
+# decade run, so that every such machine runs the same kernels (threads must match too).
+PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def check_portable(portable: bool) -> None:
-    if portable and torch.backends.cpu.get_cpu_capability() != PORTABLE_CAPABILITY:
-        raise ConfigError(f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels, not "
-                          f"{PORTABLE_CAPABILITY} (the CPU lacks it, or torch chose before rlkit could pin it: set "
-                          f"ATEN_CPU_CAPABILITY={PORTABLE_CAPABILITY.lower()} in the environment)")
+    unpinned = {k: v for k, v in PORTABLE_ENV.items() if os.environ.get(k) != v}
+    if portable and (unpinned or torch.backends.cpu.get_cpu_capability() != "AVX2"):
+        raise ConfigError(f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels with "
+                          f"{', '.join(f'{k}={os.environ.get(k)}' for k in PORTABLE_ENV)} (the CPU lacks AVX2, or "
+                          f"the pins were not set before torch started: give portable=true on the command line or "
+                          f"set {' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())} in the environment)")
 
 
 def hardware(device: torch.device) -> dict:
@@ -155,7 +161,7 @@ def hardware(device: torch.device) -> dict:
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
         platform.processor()
     out = {"cpu": cpu, "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "pinned_by": os.environ.get("ATEN_CPU_CAPABILITY") or None, "threads": torch.get_num_threads(),
+           "pins": {k: os.environ[k] for k in PORTABLE_ENV if k in os.environ}, "threads": torch.get_num_threads(),
            "torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)

@@ -27,7 +27,7 @@ from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_
 from rlkit.metrics import reward_metrics, rollout_metrics, samples, weight_metrics
 from rlkit.rewards import overlong_penalty, score
 from rlkit.rollout import Rollout, rollout_logprobs, step_reward_matrix
-from rlkit.setup import (PORTABLE_CAPABILITY, ComposeCheck, RunState, check_portable, config_path, discard_refused,
+from rlkit.setup import (PORTABLE_ENV, ComposeCheck, RunState, check_portable, config_path, discard_refused,
                          hydra_run_info, save_checkpoint, setup)
 from rlkit.config import ConfigError, validate
 from rlkit.tasks.base import TaskError
@@ -343,7 +343,8 @@ def main() -> None:
     bad input does (Hydra's own message says why). `portable=true` pins torch's CPU kernels before
     any of them runs."""
     if any(a.lstrip("+").lower() == "portable=true" for a in sys.argv[1:]):
-        os.environ.setdefault("ATEN_CPU_CAPABILITY", PORTABLE_CAPABILITY.lower())  # read when torch first dispatches
+        for key, value in PORTABLE_ENV.items():  # read when torch, MKL and oneDNN first run a kernel
+            os.environ.setdefault(key, value)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     launched = distributed.launch_time()

@@ -317,12 +317,15 @@ def test_the_ranks_of_one_launch_resolve_the_same_default_run_directory():
 
 def test_portable_mode_pins_avx2_and_changes_nothing_where_avx2_already_runs(tmp_path):
     cache = tmp_path / "c"
-    pinned = cli(tmp_path / "pinned", cache, env={"ATEN_CPU_CAPABILITY": "avx2"})
+    from rlkit.setup import PORTABLE_ENV
+    pinned = cli(tmp_path / "pinned", cache, env=PORTABLE_ENV)
     portable = cli(tmp_path / "portable", cache, "portable=true")
     assert pinned.returncode == 0 and portable.returncode == 0, (pinned.stderr[-2000:], portable.stderr[-2000:])
     assert metrics(tmp_path / "pinned") == metrics(tmp_path / "portable")
     hw = json.loads((tmp_path / "portable" / "run.json").read_text())["hardware"]
-    assert hw["cpu_capability"] == "AVX2" and hw["pinned_by"] == "avx2" and hw["cpu"]
+    assert hw["cpu_capability"] == "AVX2" and hw["pins"] == PORTABLE_ENV and hw["cpu"]
+    native = cli(tmp_path / "native", cache)  # without the pins the run says what it ran
+    assert json.loads((tmp_path / "native" / "run.json").read_text())["hardware"]["pins"] == {}
 
 
 FUZZ_SEEN = []
