@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import platform
 import random
 import shutil
 import sys
@@ -27,6 +26,7 @@ from rlkit import checkpoint, distributed, files, fsdp
 from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, Model, PolicyLoss, Sampler
 from rlkit.config import ConfigError, build, resolved
 from rlkit.evaluate import evaluate
+from rlkit.hardware import hardware
 from rlkit.logging import NullLogger
 from rlkit.guards import (EXIT_BAD_INPUT, NonFiniteError, NonFiniteGuard, all_finite, check_context, check_encodable,
                           check_resume, check_writable)
@@ -138,34 +138,6 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
     if run.start == 0:
         run.logger.log(0, run.first_eval)
     return run
-
-
-# What `portable=true` pins before torch starts: ATen's vectorised kernels, MKL's BLAS (conditional
-# numerical reproducibility) and oneDNN all to AVX2, the widest that most x86 machines of the last
-# decade run, so that every such machine runs the same kernels (threads must match too).
-PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-
-
-def check_portable(portable: bool) -> None:
-    unpinned = {k: v for k, v in PORTABLE_ENV.items() if os.environ.get(k) != v}
-    if portable and (unpinned or torch.backends.cpu.get_cpu_capability() != "AVX2"):
-        raise ConfigError(f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels with "
-                          f"{', '.join(f'{k}={os.environ.get(k)}' for k in PORTABLE_ENV)} (the CPU lacks AVX2, or "
-                          f"the pins were not set before torch started: give portable=true on the command line or "
-                          f"set {' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())} in the environment)")
-
-
-def hardware(device: torch.device) -> dict:
-    """What decides float rounding: the CPU, the kernels torch chose for it, the versions and threads."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
-        platform.processor()
-    out = {"cpu": cpu, "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "pins": {k: os.environ[k] for k in PORTABLE_ENV if k in os.environ}, "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
-    if device.type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(device)
-    return out
 
 
 def resume(run: RunState) -> dict:

@@ -27,8 +27,8 @@ from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_
 from rlkit.metrics import reward_metrics, rollout_metrics, samples, weight_metrics
 from rlkit.rewards import overlong_penalty, score
 from rlkit.rollout import Rollout, rollout_logprobs, step_reward_matrix
-from rlkit.setup import (PORTABLE_ENV, ComposeCheck, RunState, check_portable, config_path, discard_refused,
-                         hydra_run_info, save_checkpoint, setup)
+from rlkit.hardware import PORTABLE_ENV, check_portable
+from rlkit.setup import ComposeCheck, RunState, config_path, discard_refused, hydra_run_info, save_checkpoint, setup
 from rlkit.config import ConfigError, validate
 from rlkit.tasks.base import TaskError
 

@@ -317,7 +317,7 @@ def test_the_ranks_of_one_launch_resolve_the_same_default_run_directory():
 
 def test_portable_mode_pins_avx2_and_changes_nothing_where_avx2_already_runs(tmp_path):
     cache = tmp_path / "c"
-    from rlkit.setup import PORTABLE_ENV
+    from rlkit.hardware import PORTABLE_ENV
     pinned = cli(tmp_path / "pinned", cache, env=PORTABLE_ENV)
     portable = cli(tmp_path / "portable", cache, "portable=true")
     assert pinned.returncode == 0 and portable.returncode == 0, (pinned.stderr[-2000:], portable.stderr[-2000:])

@@ -1,0 +1,38 @@
+"""What decides a run's float rounding (the CPU, the kernels torch, MKL and oneDNN chose for it, the
+versions and threads), recorded in every run.json, and the portable mode that pins those kernels."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from rlkit.config import ConfigError
+
+# What `portable=true` pins before torch starts: ATen's vectorised kernels, MKL's BLAS (conditional
+# numerical reproducibility) and oneDNN all to AVX2, the widest that most x86 machines of the last
+# decade run, so that every such machine runs the same kernels (threads must match too).
+PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def check_portable(portable: bool) -> None:
+    unpinned = {k: v for k, v in PORTABLE_ENV.items() if os.environ.get(k) != v}
+    if portable and (unpinned or torch.backends.cpu.get_cpu_capability() != "AVX2"):
+        raise ConfigError(f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels with "
+                          f"{', '.join(f'{k}={os.environ.get(k)}' for k in PORTABLE_ENV)} (the CPU lacks AVX2, or "
+                          f"the pins were not set before torch started: give portable=true on the command line or "
+                          f"set {' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())} in the environment)")
+
+
+def hardware(device: torch.device) -> dict:
+    """What decides float rounding: the CPU, the kernels torch chose for it, the versions and threads."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
+        platform.processor()
+    out = {"cpu": cpu, "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "pins": {k: os.environ[k] for k in PORTABLE_ENV if k in os.environ}, "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
