@@ -63,7 +63,7 @@ def launch_time() -> datetime | None:
 def peer_failed(e: BaseException) -> bool:
     """Whether `e` is this process's collective failing because another process of the run died."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and isinstance(e, RuntimeError) and any(
-        s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL"))
+        s in str(e) for s in ("peer", "Connection", "Broken pipe", "Socket", "socket", "gloo", "NCCL"))
 
 
 def export_slurm() -> None:

@@ -243,7 +243,8 @@ def test_a_second_signal_stops_a_hung_scorer_at_once(tmp_path):
                                     "~reward.functions.format.pattern", "reward.timeout_s=0", "warm_start.steps=0"),
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": TESTS})
     try:
-        wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), proc)  # the first evaluation is done
+        wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists() and  # the first evaluation is logged
+                 (tmp_path / "run" / "metrics.jsonl").read_text().strip(), proc)
         time.sleep(2)
         proc.send_signal(signal.SIGINT)
         time.sleep(1)
