@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 from conftest import FAST, make_cfg
 from rlkit import checkpoint
@@ -341,13 +341,18 @@ FUZZ_SEEN = []
                                  '{"question": "q", "answer": null}', '{"question": "q", "answer": "no marker"}',
                                  '{"question": "q", "answer": "#### 9^9^9^9"}', '{"question": 3, "answer": "#### 3"}',
                                  '{"q": "x"}', 'not json', '']), min_size=1, max_size=4))
+@example("model", "int", "missing", [""]).via("every model-path kind at least once")
+@example("model", "int", "file", [""]).via("every model-path kind at least once")
+@example("model", "int", "empty_dir", [""]).via("every model-path kind at least once")
+@example("model", "int", "no_tokenizer", [""]).via("every model-path kind at least once")
+@example("model", "int", "corrupt_weights", [""]).via("every model-path kind at least once")
 def test_fuzzed_reward_functions_model_paths_and_math_files_run_or_fail_with_rlkits_message(
         tmp_path_factory, saved_model, what, odd, model, lines):
     """No traceback from deep inside: each example trains or stops with rlkit's own error."""
     d = tmp_path_factory.mktemp("fuzz")
     if what == "reward":
         extra = ["rewards=accuracy_format", "++reward.functions.format._target_=helpers.OddReward",
-                 f"++reward.functions.format.kind={odd}", "~reward.functions.format.pattern", "reward.timeout_s=1"]
+                 f"++reward.functions.format.kind='{odd}'", "~reward.functions.format.pattern", "reward.timeout_s=1"]
     elif what == "model":
         path = {"ok": saved_model, "missing": d / "nowhere", "file": d / "file", "empty_dir": d / "empty"}.get(model, d / "m")
         (d / "file").write_text("x")
