@@ -4,14 +4,13 @@ daemon thread watches the call in progress and, past its limit, makes the main t
 error instead of hanging the run."""
 from __future__ import annotations
 
-import _thread
 import signal
 import threading
 import time
 from contextlib import contextmanager
 
-# The main thread is interrupted through the Python-level handler of a signal nobody else uses
-# (no OS signal is sent: `interrupt_main` only runs that handler).
+# The main thread is interrupted by a signal nobody else uses, sent to that thread alone: a real
+# signal, so that a blocking call (sleep, a socket read) returns and the handler runs at once.
 SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 
 
@@ -63,7 +62,7 @@ class Watchdog:
                     self.cond.wait(left)
                     continue
                 self.fired = call
-                _thread.interrupt_main(SIGNAL)
+                signal.pthread_kill(threading.main_thread().ident, SIGNAL)
 
 
 WATCHDOG = Watchdog()

@@ -100,14 +100,17 @@ SIGN_ONLY = ("from rlkit.advantages import centred, grouped, per_token\n"
 
 
 class HangingReward:
-    """A reward function that never returns (a scorer stuck in a loop)."""
+    """A reward function that never returns: a scorer stuck in a Python loop, or (`blocked`) in a
+    blocking call such as a sleep or a socket read."""
 
-    def __init__(self, weight: float = 1.0):
-        self.weight = weight
+    def __init__(self, weight: float = 1.0, blocked: bool = False):
+        self.weight, self.blocked = weight, blocked
 
     def __call__(self, row, completion, task):
+        import time
         while True:
-            pass
+            if self.blocked:
+                time.sleep(3600)
 
 
 class NumpyReward:

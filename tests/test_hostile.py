@@ -227,9 +227,11 @@ def test_a_checkpoint_resumes_only_under_the_same_fsdp_setting():
         check_resume({"fsdp": False, "seed": 0}, {"fsdp": True, "seed": 0}, "ckpt")
 
 
-def test_a_hanging_reward_function_is_stopped_by_its_time_limit(tmp_path):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_hanging_reward_function_is_stopped_by_its_time_limit(tmp_path, blocked):
     cfg = make_cfg(["rewards=accuracy_format", "++reward.functions.format._target_=helpers.HangingReward",
-                    "~reward.functions.format.pattern", "reward.timeout_s=1", "warm_start.steps=0"])
+                    f"++reward.functions.format.blocked={blocked}", "~reward.functions.format.pattern",
+                    "reward.timeout_s=1", "warm_start.steps=0"])
     t0 = time.time()
     with pytest.raises(TaskError, match=r"reward.functions.format was stopped on row 0 .*still running after 1 s "
                                         r"\(reward.timeout_s=1\)"):
