@@ -25,13 +25,18 @@ def check_portable(portable: bool) -> None:
                           f"set {' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())} in the environment)")
 
 
+def kernels() -> dict:
+    """The CPU kernels torch runs and the pins set for them: what a cached result depends on."""
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "pins": {k: os.environ[k] for k in PORTABLE_ENV if k in os.environ}}
+
+
 def hardware(device: torch.device) -> dict:
     """What decides float rounding: the CPU, the kernels torch chose for it, the versions and threads."""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
         platform.processor()
-    out = {"cpu": cpu, "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "pins": {k: os.environ[k] for k in PORTABLE_ENV if k in os.environ}, "threads": torch.get_num_threads(),
+    out = {"cpu": cpu, "machine": platform.machine(), **kernels(), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)

@@ -103,9 +103,8 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
     check_context(tokenizer, policy, splits, R.max_new_tokens, "rollout.max_new_tokens")
     if cfg.eval.max_new_tokens:
         check_context(tokenizer, policy, {"eval": task.eval}, cfg.eval.max_new_tokens, "eval.max_new_tokens")
-    kernels = {k: v for k, v in hardware(device).items() if k in ("cpu_capability", "pins")}  # they change its numbers
-    warm = warm_start(policy, tokenizer, task, cfg.warm_start,
-                      {"model": resolved(cfg.model), "task": resolved(cfg.task), "kernels": kernels}, stop)
+    warm = warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)},
+                      stop)
     policy.to(device)
     ref = model.reference(policy) if loss.beta > 0 else None
     if cfg.fsdp:  # after the reference copy and before the optimizer, which then holds shards

@@ -33,6 +33,7 @@ from rlkit.config import ConfigError, validate
 from rlkit.tasks.base import TaskError
 
 hf_logging.disable_progress_bar()
+PEER_GRACE_S = 5.0
 
 
 class Timer(dict):
@@ -334,6 +335,7 @@ def app(cfg: DictConfig) -> dict | None:
             raise
         print(f"rlkit: error: another process of this run failed (its message is above); stopping this one "
               f"({type(e).__name__})", file=sys.stderr)
+        time.sleep(PEER_GRACE_S)  # let the failing process exit first, so the launcher reports its own code
         sys.exit(1)
 
 

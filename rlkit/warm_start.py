@@ -18,6 +18,7 @@ from tqdm import tqdm
 from rlkit import checkpoint
 from rlkit.files import staged
 from rlkit.guards import Preempted, file_lock
+from rlkit.hardware import kernels
 from rlkit.rollout import encode_prompts, token_logprobs
 
 
@@ -68,7 +69,7 @@ def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
     if not applies(cfg, task):
         return {}
     path = cache_path(cfg.cache_dir, {**key, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
-                                      "seed": cfg.seed})
+                                      "seed": cfg.seed, "kernels": kernels()})  # the kernels change its numbers
     weights = path / "weights.pt"  # plain torch.save: the same on every rank of a torchrun job
     with file_lock(path.with_name(path.name + ".lock")):  # a job that finds another training it waits, then loads
         why = checkpoint.damage(path) if path.exists() else "absent"
