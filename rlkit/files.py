@@ -42,8 +42,8 @@ def staged(final: Path, what: str):
         raise
 
 
-def write_text(path: Path, text: str, what: str | None = None) -> None:
-    with staged(Path(path), what or Path(path).name) as tmp:
+def write_text(path: Path, text: str) -> None:
+    with staged(Path(path), Path(path).name) as tmp:
         tmp.write_text(text)
 
 

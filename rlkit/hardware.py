@@ -17,8 +17,8 @@ PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_C
 
 
 def check_portable(portable: bool) -> None:
-    unpinned = {k: v for k, v in PORTABLE_ENV.items() if os.environ.get(k) != v}
-    if portable and (unpinned or torch.backends.cpu.get_cpu_capability() != "AVX2"):
+    pinned = all(os.environ.get(k) == v for k, v in PORTABLE_ENV.items())
+    if portable and not (pinned and torch.backends.cpu.get_cpu_capability() == "AVX2"):
         raise ConfigError(f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels with "
                           f"{', '.join(f'{k}={os.environ.get(k)}' for k in PORTABLE_ENV)} (the CPU lacks AVX2, or "
                           f"the pins were not set before torch started: give portable=true on the command line or "
@@ -33,9 +33,8 @@ def kernels() -> dict:
 
 def hardware(device: torch.device) -> dict:
     """What decides float rounding: the CPU, the kernels torch chose for it, the versions and threads."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
-        platform.processor()
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
     out = {"cpu": cpu, "machine": platform.machine(), **kernels(), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
     if device.type == "cuda":

@@ -1,5 +1,5 @@
 """`rlkit-train`: the Hydra app. The RL loop in `run` calls four phases, written out below in the
-order they run (DESIGN section 3): `collect` (sample prompts, generate, score), `prepare`
+order they run: `collect` (sample prompts, generate, score), `prepare`
 (reference and old log-probs, critic values, KL in the reward, advantages), `update` (epochs x
 mini-batches x micro-batches) and `log` (metrics, evaluation, samples). `setup` builds the run."""
 from __future__ import annotations
