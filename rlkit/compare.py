@@ -5,27 +5,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlkit import stats
+from rlkit.runs import (Run, aggregate, aggregate_name, differing_keys, finished_only, load_runs, load_wandb_runs,  # noqa: F401
+                        parse_aggregate, warn)
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond
 T95 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
        2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555,
        2.0518, 2.0484, 2.0452, 2.0423]
-
-
-@dataclass
-class Run:
-    name: str
-    keys: dict                                   # chosen options and flattened config
-    history: dict = field(default_factory=dict)  # metric -> list of (step, value)
-    wall_s: float | None = None
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
@@ -38,47 +30,6 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return mean, (T95[n - 2] if n - 1 <= len(T95) else 1.96) * sd / math.sqrt(n)
 
 
-def load_runs(root: Path) -> list[Run]:
-    """Every directory under `root` holding run.json and metrics.jsonl."""
-    from rlkit.logging import flatten, read_jsonl
-    runs = []
-    for info in sorted(root.rglob("run.json")):
-        d = info.parent
-        if not (d / "metrics.jsonl").exists():
-            continue
-        meta = json.loads(info.read_text())
-        run = Run(str(d.relative_to(root)) if d != root else d.name, {**flatten(meta["config"]), **meta["choices"]})
-        rows = {}
-        for row in read_jsonl(d / "metrics.jsonl"):
-            if row["step"] in rows:
-                print(f"rlkit-compare: {d / 'metrics.jsonl'} has step {row['step']} more than once (two runs in one "
-                      "directory?); keeping the last", file=sys.stderr)
-            rows[row["step"]] = row
-        for row in sorted(rows.values(), key=lambda r: r["step"]):
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    run.history.setdefault(k, []).append((row["step"], float(v)))
-        summary = d / "summary.json"
-        run.wall_s = json.loads(summary.read_text()).get("wall_s") if summary.exists() else \
-            sum(v for _, v in run.history.get("time/step", []))
-        runs.append(run)
-    return runs
-
-
-def load_wandb_runs(project: str) -> list[Run]:
-    """Runs of a wandb project ("entity/project") through wandb's public API (needs a server)."""
-    import wandb
-    runs = []
-    for r in wandb.Api().runs(project):
-        run = Run(r.name, {k: v for k, v in r.config.items()}, wall_s=r.summary.get("_runtime"))
-        for row in r.scan_history():
-            for k, v in row.items():
-                if not k.startswith("_") and isinstance(v, (int, float)):
-                    run.history.setdefault(k, []).append((row["_step"], float(v)))
-        runs.append(run)
-    return runs
-
-
 def group_runs(runs: list[Run], by: list[str]) -> dict[tuple, list[Run]]:
     groups = defaultdict(list)
     for run in runs:
@@ -87,6 +38,12 @@ def group_runs(runs: list[Run], by: list[str]) -> dict[tuple, list[Run]]:
             raise SystemExit(f"rlkit-compare: run {run.name} has no key {missing[0]!r}; "
                              f"choices and config keys are: {', '.join(sorted(run.keys))}")
         groups[tuple(str(run.keys[k]) for k in by)].append(run)
+    for key, members in groups.items():
+        differ = differing_keys(members, by)
+        if differ:
+            warn(f"group {', '.join(key)} averages runs whose other config keys differ: "
+                 + "; ".join(f"{k} ({', '.join(v)})" for k, v in list(differ.items())[:8])
+                 + f". Add them to --by to separate them (--by {' '.join(by)} {' '.join(list(differ)[:2])})")
     return dict(sorted(groups.items()))
 
 
@@ -98,12 +55,13 @@ def fmt(mean: float, ci: float) -> str:
     return f"{mean:.3f} ± {ci:.3f}" if not math.isnan(ci) else f"{mean:.3f}"
 
 
-def table(groups: dict, by: list[str], metrics: list[str], threshold: float | None, lower: set) -> str:
-    """One row per group: final and best of each metric (mean ± 95% CI over runs), steps to the
-    threshold of the first metric, wall time."""
+def table(groups: dict, by: list[str], metrics: list[str], threshold: float | None, lower: set,
+          spec: str = "final") -> str:
+    """One row per group: each metric's per-run aggregate (`spec`) and its best value after step 0
+    (mean ± 95% CI over runs), steps to the threshold of the first metric, wall time."""
     head = [*by, "runs"]
     for m in metrics:
-        head += [f"final {m}", f"best {m}"]
+        head += [f"{aggregate_name(spec)} {m}", f"best {m} (after step 0)"]
     if threshold is not None:
         head.append(f"steps to {metrics[0]} {'<=' if metrics[0] in lower else '>='} {threshold}")
     head.append("wall time (s)")
@@ -111,12 +69,10 @@ def table(groups: dict, by: list[str], metrics: list[str], threshold: float | No
     for key, runs in groups.items():
         cells = [*key, str(len(runs))]
         for m in metrics:
-            series = [r.history[m] for r in runs if r.history.get(m)]
-            if not series:
-                cells += ["n/a", "n/a"]
-                continue
-            best = min if m in lower else max
-            cells += [fmt(*mean_ci([s[-1][1] for s in series])), fmt(*mean_ci([best(v for _, v in s) for s in series]))]
+            for what in (spec, "best"):
+                values = [v for v in (aggregate(r, m, what, m in lower) for r in runs) if v is not None]
+                missing = len(runs) - len(values)
+                cells.append((fmt(*mean_ci(values)) if values else "n/a") + (f" ({missing} runs missing)" if missing else ""))
         if threshold is not None:
             hits = [first_reaching(r.history.get(metrics[0], []), threshold, metrics[0] in lower) for r in runs]
             reached = [h for h in hits if h is not None]
@@ -173,7 +129,7 @@ def curve(runs: list[Run], metric: str, axis: str, smooth: int):
     return x, [m for m, _ in stats], [0.0 if math.isnan(c) else c for _, c in stats]
 
 
-def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step", smooth: int = 1) -> None:
+def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step", smooth: int = 1) -> bool:
     """Mean of `metric` per group with a shaded 95% band over runs. Up to three groups share one
     panel; more get a panel each, with the other groups' means in grey behind, so bands stay readable."""
     import matplotlib
@@ -187,6 +143,9 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
                   file=sys.stderr)
             continue
         curves[key] = (c, len(runs))
+    if not curves:
+        print(f"rlkit-compare: {metric}: nothing to draw; no plot written", file=sys.stderr)
+        return False
     panels = list(curves) if len(curves) > 3 else [None]
     cols = min(len(panels), 3)
     rows = math.ceil(len(panels) / cols)
@@ -214,27 +173,57 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
-def differences(groups: dict, by: list[str], metrics: list[str], baseline: str, lower: set) -> str:
-    """For each group against the baseline group: the difference in each metric's final and best
-    value, with its 95% CI and p-value (paired by seed where possible), in plain words."""
+def differences(groups: dict, by: list[str], metrics: list[str], baseline: str, lower: set, spec: str = "final",
+                margins: dict | None = None, alpha: float = 0.05) -> str:
+    """Each group against the baseline group, for each metric's per-run aggregate and best value:
+    the difference with its interval, effect size and p-value (paired by seed where possible),
+    Holm's adjusted p across every line printed, TOST at a given margin, and from
+    `stats.BOOTSTRAP_FROM` runs per arm the IQM and probability of improvement."""
     names = {", ".join(key): key for key in groups}
     if baseline not in names:
         raise SystemExit(f"rlkit-compare: --baseline {baseline!r} is not a group; groups: {', '.join(names)}")
-    base = groups[names[baseline]]
-    lines = []
+    base, margins = groups[names[baseline]], margins or {}
+    rows = []  # (label, Difference, robust or None, margin)
     for name, key in names.items():
         if name == baseline:
             continue
         for m in metrics:
-            best = min if m in lower else max
-            for what, pick in (("final", lambda s: s[-1][1]), ("best", lambda s: best(v for _, v in s))):
-                values = lambda runs: [(r.keys.get("seed", r.name), pick(r.history[m])) for r in runs  # noqa: E731
-                                       if r.history.get(m)]
-                d = stats.compare(values(base), values(groups[key]))
-                lines.append(f"- {d.verdict(f'{what} {m}: {name} - {baseline}')}")
+            for what in (spec, "best"):
+                def values(runs):
+                    return [(r.keys.get("seed", r.name), v) for r in runs
+                            if (v := aggregate(r, m, what, m in lower)) is not None]
+                a, b = values(base), values(groups[key])
+                d = stats.compare(a, b, alpha)
+                rob = stats.robust([v for _, v in a], [v for _, v in b], m in lower, alpha)
+                rows.append((f"{aggregate_name(what)} {m}: {name} - {baseline}", d, rob, m, name))
+    adjusted = stats.holm([d.p for _, d, *_ in rows])
+    lines = []
+    for (label, d, rob, m, name), p_holm in zip(rows, adjusted):
+        text, margin = f"- {label}: {d.describe()}", margins.get(m)
+        if not math.isnan(p_holm):
+            text += f"; Holm-adjusted p = {p_holm:.2g} over {sum(not math.isnan(x) for x in adjusted)} lines"
+        if margin is not None and d.n >= 2:
+            p_eq = d.tost(margin)
+            text += f"; {'equivalent' if p_eq < alpha else 'not shown equivalent'} within ±{margin:g} (TOST p = {p_eq:.2g})"
+        if rob is not None:
+            text += f"; {rob.describe(baseline, name, m in lower)}"
+        lines.append(text)
     return "\n".join(lines) + "\n"
+
+
+def parse_margins(items: list[str], metrics: list[str]) -> dict:
+    """--margin METRIC=X (or X alone for the first metric) -> {metric: X}."""
+    out = {}
+    for item in items:
+        metric, _, value = item.rpartition("=")
+        try:
+            out[metric or metrics[0]] = float(value)
+        except ValueError:
+            raise SystemExit(f"rlkit-compare: --margin {item!r}: use METRIC=X or X, with X a number") from None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,21 +231,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("paths", nargs="*", type=Path, help="run or sweep directories (searched for run.json)")
     p.add_argument("--by", nargs="+", default=["algo"], help="choices (algo, advantage, ...) or config keys (loss.beta)")
     p.add_argument("--metric", nargs="+", default=["eval/accuracy"], help="metrics to tabulate and plot")
+    p.add_argument("--aggregate", default="final", metavar="SPEC",
+                   help="each run's one number: final, last:K (mean of the last K logged values) or auc (mean "
+                   "height of the curve over steps); 'best' (after step 0) is always shown beside it")
     p.add_argument("--threshold", type=float, help="report steps until the first metric reaches this value")
     p.add_argument("--lower", nargs="*", default=[], help="metrics where lower is better")
     p.add_argument("--out", type=Path, help="output directory (default: <first path>/compare)")
     p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs from a wandb project instead of directories")
     p.add_argument("--baseline", metavar="GROUP", help="compare every other group with this one (e.g. grpo, or "
-                   "'grpo, 0.04' for two --by keys): difference, 95%% CI, p-value, seeds for 80%% power")
+                   "'grpo, 0.04' for two --by keys): difference, interval, effect size, p and Holm-adjusted p")
+    p.add_argument("--margin", nargs="*", default=[], metavar="METRIC=X",
+                   help="equivalence margins: with --baseline, TOST says whether each difference lies within ±X")
+    p.add_argument("--alpha", type=float, default=0.05, help="level of the tests and 1 - coverage of the intervals")
+    p.add_argument("--include-unfinished", action="store_true",
+                   help="keep runs that stopped before their last step (left out, and named, by default)")
     p.add_argument("--x", choices=["step", "tokens", "time"], default="step",
                    help="plots' horizontal axis: RL step, generated tokens (kept or not), or wall time")
     p.add_argument("--smooth", type=int, default=1, metavar="K", help="moving average over K logged values in plots")
     a = p.parse_args(argv)
     if not a.paths and not a.wandb:
         p.error("give run directories or --wandb ENTITY/PROJECT")
+    try:
+        parse_aggregate(a.aggregate)
+    except ValueError as e:
+        p.error(f"--aggregate: {e}")
     runs = load_wandb_runs(a.wandb) if a.wandb else [r for path in a.paths for r in load_runs(path)]
     if not runs:
         p.error(f"no runs (directories with run.json and metrics.jsonl) under {', '.join(map(str, a.paths))}")
+    runs = finished_only(runs, a.include_unfinished)
+    if not runs:
+        p.error("every run stopped before its last step; --include-unfinished compares them as they are")
     logged = {k for r in runs for k, series in r.history.items() if series}
     for m in a.metric:
         if m not in logged:
@@ -264,14 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     groups = group_runs(runs, a.by)
     out = a.out or (a.paths[0] / "compare" if a.paths else Path("compare"))
     out.mkdir(parents=True, exist_ok=True)
-    md = table(groups, a.by, a.metric, a.threshold, set(a.lower))
+    md = table(groups, a.by, a.metric, a.threshold, set(a.lower), a.aggregate)
     if a.baseline:
-        md += f"\nAgainst {a.baseline}:\n\n" + differences(groups, a.by, a.metric, a.baseline, set(a.lower))
+        md += f"\nAgainst {a.baseline}:\n\n" + differences(groups, a.by, a.metric, a.baseline, set(a.lower), a.aggregate,
+                                                          parse_margins(a.margin, a.metric), a.alpha)
     images = []
     for m in a.metric:
         png = out / (m.replace("/", "_") + (f"_by_{a.x}" if a.x != "step" else "") + ".png")
-        plot(groups, a.by, m, png, a.x, a.smooth)
-        images.append(f"![{m}]({png.name})")
+        if plot(groups, a.by, m, png, a.x, a.smooth):
+            images.append(f"![{m}]({png.name})")
     (out / "compare.md").write_text(f"# {len(runs)} runs by {', '.join(a.by)}\n\n{md}\n" + "\n".join(images) + "\n")
     print(md)
     print(f"wrote {out / 'compare.md'} and {len(images)} plot(s)", file=sys.stderr)

@@ -71,6 +71,8 @@ class EvalConfig:
     every: int = 25                  # evaluate every k RL steps (and before the first and after the last)
     batch_size: int = 256            # prompts per greedy generation batch
     max_new_tokens: int = 0          # 0 = rollout.max_new_tokens
+    samples: int = 0                 # k > 0: also eval/mean@k, k completions per prompt at the rollout temperature
+    seed: int = 0                    # random state of those samples, the same at every evaluation of every run
 
 
 @dataclass
@@ -218,6 +220,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _check(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
     _check(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
     _check(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
+    _check(cfg.eval.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {cfg.eval.samples}")
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:
         _check(cfg[g] is not None, f"no option chosen for group '{g}'")

@@ -161,13 +161,14 @@ def sum_gradients(params) -> None:
 
 
 def mean_metrics(metrics: dict) -> dict:
-    """Each numeric metric averaged over the ranks that logged it (rank 0 logs the result)."""
+    """Each numeric metric averaged over the ranks that logged it (rank 0 logs the result); a metric
+    with no value (None: the statistic of a subset a rank did not draw) counts on no rank."""
     if size() == 1:
         return metrics
     every, out = gather(metrics), {}
-    for k, v in metrics.items():
-        values = [m[k] for m in every if k in m and isinstance(m[k], (int, float)) and not isinstance(m[k], bool)]
-        out[k] = sum(values) / len(values) if values and isinstance(v, (int, float)) else v
+    for k in dict.fromkeys(k for m in every for k in m):  # a metric of a subset only another rank drew counts too
+        values = [m[k] for m in every if isinstance(m.get(k), (int, float)) and not isinstance(m[k], bool)]
+        out[k] = sum(values) / len(values) if values else next(m[k] for m in every if k in m)
     return out
 
 

@@ -1,4 +1,6 @@
-"""Greedy evaluation on the held-out split, through the run's generation engine."""
+"""Held-out evaluation through the run's generation engine, on the task's fixed evaluation split:
+greedy accuracy, and optionally the mean accuracy of k sampled completions per prompt (mean@k),
+each overall and per difficulty level."""
 from __future__ import annotations
 
 import sys
@@ -6,21 +8,38 @@ import sys
 import torch
 from tqdm import tqdm
 
-from rlkit.metrics import by_difficulty, mean_or_zero as mean
+from rlkit.metrics import by_difficulty, mean_or_none as mean
 
 
-@torch.no_grad()
-def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int) -> dict:
-    """Greedy accuracy (reward > 0) and mean completion length (tokens) of correct and incorrect answers."""
+def answers(engine, tokenizer, task, rows_all: list[dict], batch_size: int, max_new_tokens: int,
+            temperature: float = 0.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each row's completion is correct (reward > 0) and its length in tokens.  -> [E], [E]"""
     correct, lengths = [], []
-    split = task.eval
-    rows_all = split.to_list()
-    for start in tqdm(range(0, len(split), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
+    for start in tqdm(range(0, len(rows_all), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
         rows = rows_all[start:start + batch_size]
-        gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature=0)
+        gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature, top_p)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         correct.append(task.score(rows, texts) > 0)  # [n]
         lengths.append(gen.completion_mask.sum(-1).float())  # [n]
-    ok, lens = torch.cat(correct), torch.cat(lengths)  # [E]
-    return {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok]),
-            **by_difficulty(rows_all, ok.float(), "eval/acc")}
+    return torch.cat(correct), torch.cat(lengths)  # [E] each
+
+
+@torch.no_grad()
+def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int, samples: int = 0,
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> dict:
+    """Greedy accuracy and mean completion length (tokens) of correct and incorrect answers; with
+    `samples` = k > 0 also `eval/mean@k`, the accuracy of k completions per prompt sampled at the
+    rollout's temperature. The sampling draws from its own generator state (`seed`, the same at
+    every evaluation), so it neither moves training's random stream nor differs between runs."""
+    rows_all = task.eval.to_list()
+    ok, lens = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E] each
+    out = {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok]),
+           **by_difficulty(rows_all, ok.float(), "eval/acc")}
+    if samples:
+        repeated = [r for r in rows_all for _ in range(samples)]  # E * k rows, each prompt's k together
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            hit, _ = answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
+        per_prompt = hit.float().view(len(rows_all), samples).mean(-1)  # [E]
+        out.update({f"eval/mean@{samples}": mean(per_prompt), **by_difficulty(rows_all, per_prompt, f"eval/mean@{samples}")})
+    return out

@@ -20,6 +20,11 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def present(metrics: dict) -> dict:
+    """The metrics that have a value: a statistic of an empty subset is None and is not logged."""
+    return {k: v for k, v in metrics.items() if v is not None}
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The records of a JSON-lines log; a line cut short by a kill mid-write is dropped, and said."""
     records = []
@@ -56,7 +61,7 @@ class JsonlLogger:
         self.run_id = None
 
     def log(self, step: int, metrics: dict) -> None:
-        clean = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        clean = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else str(v)) for k, v in present(metrics).items()}
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
 
@@ -114,7 +119,7 @@ class WandbLogger(JsonlLogger):
     def log(self, step: int, metrics: dict) -> None:
         super().log(step, metrics)
         if self.run is not None:
-            self.run.log(metrics, step=step)
+            self.run.log(present(metrics), step=step)
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         super().log_samples(step, samples)

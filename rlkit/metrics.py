@@ -1,4 +1,6 @@
-"""Per-step rollout statistics (what the variant studies compare)."""
+"""Per-step rollout statistics (what the variant studies compare). A statistic of an empty subset
+(the length of correct answers on a step with none) is missing, None, never 0: loggers leave it
+out, so means over steps and "final" values never mix lengths with zeros."""
 from __future__ import annotations
 
 import torch
@@ -6,8 +8,12 @@ import torch
 from rlkit.rollout import Rollout
 
 
-def mean_or_zero(x: torch.Tensor) -> float:
-    return float(x.float().mean()) if x.numel() else 0.0
+def mean_or_none(x: torch.Tensor) -> float | None:
+    return float(x.float().mean()) if x.numel() else None
+
+
+def std_or_none(x: torch.Tensor) -> float | None:
+    return float(x.float().std()) if x.numel() > 1 else None
 
 
 def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
@@ -21,18 +27,18 @@ def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
     mask = r.completion_mask.bool()  # [N, Tc]
     seq_adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
     return {
-        "train/reward": mean_or_zero(rewards),
-        "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "train/frac_zero_std_groups": mean_or_zero((groups == groups[:, :1]).all(1)),
-        "train/frac_all_correct_groups": mean_or_zero((groups > 0).all(1)),
-        "train/frac_all_wrong_groups": mean_or_zero((groups <= 0).all(1)),
-        "train/completion_len": mean_or_zero(lengths),
-        "train/len_correct": mean_or_zero(lengths[correct]),
-        "train/len_incorrect": mean_or_zero(lengths[~correct]),
-        "train/truncated_frac": mean_or_zero(r.truncated),
-        "train/adv_mean": mean_or_zero(adv[mask]),
-        "train/adv_std": float(adv[mask].std()) if mask.sum() > 1 else 0.0,
-        "train/frac_zero_adv_groups": mean_or_zero((seq_adv.view(-1, r.group_size) == 0).all(1)),
+        "train/reward": mean_or_none(rewards),
+        "train/reward_std": std_or_none(rewards),
+        "train/frac_zero_std_groups": mean_or_none((groups == groups[:, :1]).all(1)),
+        "train/frac_all_correct_groups": mean_or_none((groups > 0).all(1)),
+        "train/frac_all_wrong_groups": mean_or_none((groups <= 0).all(1)),
+        "train/completion_len": mean_or_none(lengths),
+        "train/len_correct": mean_or_none(lengths[correct]),
+        "train/len_incorrect": mean_or_none(lengths[~correct]),
+        "train/truncated_frac": mean_or_none(r.truncated),
+        "train/adv_mean": mean_or_none(adv[mask]),
+        "train/adv_std": std_or_none(adv[mask]),
+        "train/frac_zero_adv_groups": mean_or_none((seq_adv.view(-1, r.group_size) == 0).all(1)),
         "train/num_rows": int(rewards.numel()),
         **by_difficulty(r.rows, correct.float(), "train/acc"),
     }
@@ -52,7 +58,7 @@ def difficulties(rows: list[dict]) -> torch.Tensor | None:
     return torch.tensor([float(r["difficulty"]) for r in rows])
 
 
-def by_difficulty(rows: list[dict], values: torch.Tensor, name: str, reduce=mean_or_zero) -> dict:
+def by_difficulty(rows: list[dict], values: torch.Tensor, name: str, reduce=mean_or_none) -> dict:
     """`name` + `_d<k>` for each difficulty k: `reduce` of the values of its rows.  values: [N]"""
     d = difficulties(rows)
     if d is None:
@@ -70,9 +76,9 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
     lengths = r.lengths.float()  # [N]
     short = lengths <= lengths.median()  # [N]
     mask = r.completion_mask.bool()  # [N, Tc]
-    per_token = lambda rows: mean_or_zero(eff[rows][mask[rows]].abs())  # noqa: E731
+    per_token = lambda rows: mean_or_none(eff[rows][mask[rows]].abs())  # noqa: E731
     magnitude = eff.abs().sum(-1)  # [N]
-    share = lambda x: float(x.sum() / magnitude.sum()) if magnitude.sum() > 0 else 0.0  # noqa: E731
+    share = lambda x: float(x.sum() / magnitude.sum()) if magnitude.sum() > 0 else None  # noqa: E731
     return {"weight/correct_sum": float(per_seq[correct].sum()), "weight/incorrect_sum": float(per_seq[~correct].sum()),
             "weight/short_token_mean": per_token(short), "weight/long_token_mean": per_token(~short),
             **by_difficulty(r.rows, magnitude, "weight/share", share)}

@@ -119,7 +119,8 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, stop=None, rank: int = 
     reward_fns = {name: build(cfg, f"reward.functions.{name}") for name in cfg.reward.functions}
     run = RunState(cfg, run_dir, device, task, model, policy, tokenizer, engine, ref, critic, advantage, aggregator, loss,
                    reward_fns, sampler, optimizer, schedule, guard=NonFiniteGuard(O.max_nonfinite),
-                   eval_kw=dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens),
+                   eval_kw=dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens,
+                                samples=cfg.eval.samples, temperature=R.temperature, top_p=R.top_p, seed=cfg.eval.seed),
                    rank=rank, world=world)
     if rank == 0 and not cfg.checkpoint.resume:
         set_aside(run_dir)

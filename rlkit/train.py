@@ -24,7 +24,7 @@ from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
 from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE, NonFiniteError, Preempted, RunDirLock,
                           StoppedAtOnce, StopSignals, checked_advantages, check_writable, finite)
-from rlkit.metrics import reward_metrics, rollout_metrics, samples, weight_metrics
+from rlkit.metrics import mean_or_none, reward_metrics, rollout_metrics, samples, weight_metrics
 from rlkit.rewards import overlong_penalty, score
 from rlkit.rollout import Rollout, rollout_logprobs, step_reward_matrix
 from rlkit.hardware import PORTABLE_ENV, check_portable
@@ -107,7 +107,9 @@ def collect(run: RunState) -> tuple[Rollout, dict]:
         return generated[-1]
 
     rollout, metrics = run.sampler.sample(make)
-    return rollout, {**metrics, "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in generated)}
+    every = torch.cat([r.rewards for r in generated])  # [N_generated] kept or not
+    return rollout, {**metrics, "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in generated),
+                     "train/reward_all": mean_or_none(every)}
 
 
 def make_rollout(run: RunState, rows: list[dict]) -> Rollout:
@@ -238,7 +240,7 @@ def log(run: RunState, step: int, rollout: Rollout, batch: Batch | None, stats: 
         run.last_eval = evaluate(run.engine, run.tokenizer, run.task, **run.eval_kw)
         metrics.update(run.last_eval)
     metrics = distributed.mean_metrics(metrics)
-    run.logger.log(step, metrics)
+    run.logger.log(step, metrics)  # metrics without a value (None) are left out
     if cfg.samples_every and batch is not None and (step % cfg.samples_every == 0 or step == 1):
         run.logger.log_samples(step, samples(rollout, batch.adv, per_group=2))
     return metrics

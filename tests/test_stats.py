@@ -7,8 +7,10 @@ import pytest
 from matplotlib.image import imread
 from scipy import stats as sps
 
-from rlkit.compare import main as compare_main, smoothed, x_of, Run
-from rlkit.stats import compare, paired, seeds_for_power, welch
+from rlkit.compare import main as compare_main, smoothed, x_of
+from rlkit.runs import Run, aggregate
+from rlkit.stats import (compare, effect_size, holm, inflated_sd, paired, robust, seeds_for_equivalence,
+                         seeds_for_power, welch)
 
 
 def test_paired_difference_by_hand_and_against_scipy():
@@ -38,7 +40,74 @@ def test_runs_are_paired_only_when_both_groups_hold_the_same_seeds():
     assert compare([(0, 1.0), (1, 2.0)], [(1, 2.5), (0, 1.5)]).paired  # matched by seed, not by order
     assert compare([(1, 2.5), (0, 1.5)], [(0, 1.0), (1, 2.0)]).diff == pytest.approx(-0.5)
     assert not compare([(0, 1.0), (1, 2.0)], [(0, 1.5), (2, 2.5)]).paired
-    assert "not significant (paired, n = 3" in paired([1, 2, 3], [2, 4, 3]).verdict("rloo - grpo")
+    assert "(paired t, n = 3)" in paired([1, 2, 3], [2, 4, 3]).describe()
+
+
+def test_a_difference_without_spread_says_so_instead_of_p_zero():
+    d = paired([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
+    assert math.isnan(d.p) and d.zero_variance
+    assert d.describe() == "+1.000 in every one of 3 pairs (no spread: no test)"
+    assert holm([d.p, 0.01]) == [pytest.approx(float("nan"), nan_ok=True), 0.01]  # an untested line is no test
+
+
+def test_holm_by_hand_and_against_statsmodels():
+    # sorted 0.01, 0.03, 0.04, 0.5 times 4, 3, 2, 1 -> 0.04, 0.09, 0.08 (raised to 0.09), 0.5
+    assert holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    multitest = pytest.importorskip("statsmodels.stats.multitest")
+    ps = [0.001, 0.2, 0.012, 0.049, 0.03, 0.6]
+    assert holm(ps) == pytest.approx(list(multitest.multipletests(ps, method="holm")[1]))
+
+
+def test_tost_by_hand_and_against_statsmodels():
+    # differences (0.1, 0.2, 0.0): mean 0.1, se 0.1/sqrt(3); margin 0.3 -> p = P(t_2 < (0.1 - 0.3) / se)
+    d = paired([0.0, 0.0, 0.0], [0.1, 0.2, 0.0])
+    se = 0.1 / math.sqrt(3)
+    assert d.tost(0.3) == pytest.approx(sps.t.cdf(-0.2 / se, 2), rel=1e-9) and d.tost(0.05) > 0.5
+    weightstats = pytest.importorskip("statsmodels.stats.weightstats")
+    import numpy as np
+    a, b = np.array([0.31, 0.28, 0.35, 0.30, 0.33]), np.array([0.30, 0.31, 0.34, 0.29, 0.35])
+    assert paired(list(a), list(b)).tost(0.03) == pytest.approx(weightstats.ttost_paired(b, a, -0.03, 0.03)[0], rel=1e-9)
+
+
+def test_effect_size_interval_inverts_the_noncentral_t_and_is_near_the_normal_approximation():
+    d, lo, hi = effect_size(1.0, 1.0, 10, paired=True)
+    assert d == 1.0 and sps.nct.cdf(1.0 * math.sqrt(10), 9, lo * math.sqrt(10)) == pytest.approx(0.975, abs=1e-9)
+    assert sps.nct.cdf(1.0 * math.sqrt(10), 9, hi * math.sqrt(10)) == pytest.approx(0.025, abs=1e-9)
+    half = 1.96 * math.sqrt(1 / 10 + 1 / 20)  # se of d_z ~ sqrt(1/n + d^2 / 2n)
+    assert lo == pytest.approx(1 - half, abs=0.05) and hi == pytest.approx(1 + half, abs=0.05)
+
+
+def test_pilot_spread_is_inflated_and_equivalence_seeds_reach_their_power():
+    # upper 80% limit of an sd from 5 values: sqrt(4 / chi2_0.2(4)) = sqrt(4 / 1.64878) = 1.55757
+    assert inflated_sd(1.0, 5) == pytest.approx(1.55757, abs=1e-4)
+    import numpy as np
+    n = seeds_for_equivalence(1.0, 1.0)
+    rng = np.random.default_rng(0)
+    hits = [paired([0.0] * n, list(rng.normal(0, 1, n))).tost(1.0) < 0.05 for _ in range(2000)]
+    assert np.mean(hits) >= 0.78  # TOST at the planned n shows equivalence at least 80% of the time
+    short = [paired([0.0] * (n - 2), list(rng.normal(0, 1, n - 2))).tost(1.0) < 0.05 for _ in range(2000)]
+    assert np.mean(short) < np.mean(hits)
+
+
+def test_iqm_and_probability_of_improvement_by_hand():
+    a, b = [float(v) for v in range(12)], [float(v) + 20 for v in range(12)]
+    assert robust(a[:9], b[:9]) is None  # under 10 runs per arm: the t-test lines only
+    r = robust(a, b)
+    assert r.iqm_a[0] == pytest.approx(5.5) and r.iqm_b[0] == pytest.approx(25.5)  # mean of the middle six
+    assert r.iqm_a[1] <= 5.5 <= r.iqm_a[2] and r.p_improve[0] == 1.0  # every run of b beats every run of a
+    assert robust(a, b, lower=True).p_improve[0] == 0.0 and robust(a, b) == r  # fixed random state
+    half = robust(a, a)
+    assert half.p_improve[0] == 0.5 and half.p_improve[1] < 0.5 < half.p_improve[2]
+
+
+def test_per_run_aggregates_by_hand():
+    run = Run("r", {}, {"m": [(0, 0.5), (10, 0.2), (20, 0.4), (30, 0.1)]})
+    assert aggregate(run, "m", "final") == 0.1 and aggregate(run, "m", "last:2") == pytest.approx(0.25)
+    assert aggregate(run, "m", "best") == 0.4 and aggregate(run, "m", "best", lower=True) == 0.1  # step 0 not counted
+    # trapezoids over 30 steps: (0.7 + 0.6 + 0.5) * 10 / 2 = 9 -> 0.3
+    assert aggregate(run, "m", "auc") == pytest.approx(0.3) and aggregate(run, "other", "final") is None
+    with pytest.raises(ValueError, match="use final, last:K"):
+        aggregate(run, "m", "last:0")
 
 
 def test_smoothing_and_token_axis():
@@ -47,26 +116,62 @@ def test_smoothing_and_token_axis():
     assert x_of(run, "tokens") == {0: 0.0, 1: 100.0, 2: 150.0} and x_of(run, "step")[2] == 2.0
 
 
-def write_run(root, name, algo, seed, acc, tokens):
+def write_run(root, name, algo, seed, acc, tokens, finished=True, config=None):
     d = root / name
     d.mkdir(parents=True)
-    (d / "run.json").write_text(json.dumps({"choices": {"algo": algo}, "config": {"seed": seed}}))
+    (d / "run.json").write_text(json.dumps({"choices": {"algo": algo}, "config": {"seed": seed, **(config or {})}}))
     rows = [{"step": s, "eval/accuracy": a, "train/gen_tokens": tokens, "time/step": 1.0} for s, a in enumerate(acc)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if finished:
+        (d / "summary.json").write_text(json.dumps({"wall_s": 3.0}))
 
 
-def test_compare_with_a_baseline_writes_paired_verdicts_and_plots_against_tokens(tmp_path):
+def test_compare_with_a_baseline_writes_paired_lines_with_holm_and_plots_against_tokens(tmp_path):
     finals = {"grpo": [0.5, 0.6, 0.7], "rloo": [0.6, 0.8, 0.7], "dapo": [0.5, 0.6, 0.6], "ppo": [0.1, 0.2, 0.3]}
     for algo, values in finals.items():
         for seed, v in enumerate(values):
             write_run(tmp_path, f"{algo}{seed}", algo, seed, [0.3, (0.3 + v) / 2, v], 100 * (1 + (algo == "dapo")))
-    assert compare_main([str(tmp_path), "--by", "algo", "--baseline", "grpo", "--x", "tokens", "--smooth", "2"]) == 0
+    assert compare_main([str(tmp_path), "--by", "algo", "--baseline", "grpo", "--x", "tokens", "--smooth", "2",
+                         "--margin", "0.2"]) == 0
     md = (tmp_path / "compare" / "compare.md").read_text()
-    # rloo - grpo final: differences (0.1, 0.2, 0.0) -> +0.100 ± 0.248, p = ttest_rel
+    # rloo - grpo final: differences (0.1, 0.2, 0.0) -> +0.100, half-width 4.3027 * 0.1 / sqrt(3) = 0.248
     p = sps.ttest_rel([0.6, 0.8, 0.7], [0.5, 0.6, 0.7]).pvalue
-    assert f"- final eval/accuracy: rloo - grpo: +0.100 ± 0.248, p = {p:.2g}, not significant (paired, n = 3" in md
-    assert "final eval/accuracy: ppo - grpo: -0.400 ± 0.000" in md and ", significant (paired" in md
+    line = next(l for l in md.splitlines() if l.startswith("- final eval/accuracy: rloo - grpo"))
+    assert f"+0.100 [-0.148, +0.348], d_z = +1.00 [" in line and f"p = {p:.2g} (paired t, n = 3)" in line
+    # six lines (final and best for three groups); ppo's final differences (-0.4 each) have no spread and no p,
+    # so Holm counts five; ppo's best (-0.3, -0.35, -0.4) has the smallest p, multiplied by 5
+    assert "final eval/accuracy: ppo - grpo: -0.400 in every one of 3 pairs (no spread: no test)" in md
+    p_best = sps.ttest_rel([0.2, 0.25, 0.3], [0.5, 0.6, 0.7]).pvalue
+    assert f"p = {p_best:.2g} (paired t, n = 3); Holm-adjusted p = {5 * p_best:.2g} over 5 lines" in md
+    assert "not shown equivalent within ±0.2 (TOST p = " in line
     png = tmp_path / "compare" / "eval_accuracy_by_tokens.png"
     assert imread(png).shape[1] > imread(png).shape[0]  # four groups: a panel each, side by side
     with pytest.raises(SystemExit, match="--baseline 'nope' is not a group"):
         compare_main([str(tmp_path), "--by", "algo", "--baseline", "nope"])
+
+
+def test_best_leaves_out_step_zero(tmp_path):
+    for seed in range(2):  # a run that only degrades: its best is its best after training started
+        write_run(tmp_path, f"g{seed}", "grpo", seed, [0.5, 0.2 + seed / 10, 0.1], 1)
+    compare_main([str(tmp_path), "--by", "algo"])
+    assert "| grpo | 2 | 0.100 ± 0.000 | 0.250 ± 0.635 |" in (tmp_path / "compare" / "compare.md").read_text()
+
+
+def test_what_compare_cannot_use_is_said_never_silently_dropped(tmp_path, capsys):
+    write_run(tmp_path, "g0", "grpo", 0, [0.3, 0.4, 0.5], 1)
+    write_run(tmp_path, "g1", "grpo", 1, [0.3, 0.6, "nan"], 1)         # a NaN at its last step
+    write_run(tmp_path, "g2", "grpo", 2, [0.3, 0.2], 1, finished=False)  # stopped early (exit 3: no summary)
+    write_run(tmp_path, "g3", "grpo", 3, [0.3, 0.5, 0.7], 1, config={"steps": 4})  # another config
+    compare_main([str(tmp_path), "--by", "algo"])
+    err = capsys.readouterr().err
+    assert "run g1 logged eval/accuracy as nan or inf at steps [2]; those steps are left out of its final " \
+           "(its last finite value is from step 1)" in err
+    assert "run g2 stopped at step 1 of ? (no summary.json); left out" in err
+    assert "group grpo averages runs whose other config keys differ: steps (4, null)" in err
+    assert "| grpo | 3 | 0.600 ± 0.248 |" in (tmp_path / "compare" / "compare.md").read_text()  # 0.5, 0.6, 0.7
+    compare_main([str(tmp_path), "--by", "algo", "--include-unfinished"])  # 0.5, 0.6, 0.2, 0.7
+    assert "| grpo | 4 | 0.500 ± 0.344 |" in (tmp_path / "compare" / "compare.md").read_text()
+    with pytest.raises(SystemExit):
+        compare_main([str(tmp_path), "--metric", "train/nothing"])
+    assert "--metric train/nothing: no run logged it" in capsys.readouterr().err
+    assert not (tmp_path / "compare" / "train_nothing.png").exists()

@@ -93,4 +93,6 @@ def test_dynamic_sampling_that_keeps_nothing_skips_the_update_without_crashing(t
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["train/skipped_empty_batch"] for l in lines[1:]] == [1, 1]
     assert [l["sampler/gen_batches"] for l in lines[1:]] == [2, 2]
+    # nothing kept: the kept groups' reward is missing, the reward of everything generated is not
+    assert all("train/reward" not in l and 0 <= l["train/reward_all"] <= 1 for l in lines[1:])
     assert (tmp_path / "checkpoints" / "step_000002" / "policy").exists()

@@ -1,0 +1,154 @@
+"""Runs as the analysis sees them: loaded from run directories (or wandb), checked, and reduced to
+one number each (a per-run aggregate) for rlkit-compare and rlkit-study. Nothing is dropped or
+changed without a warning that says what was used instead."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# config keys that may differ between the runs of one arm without making them different runs
+INCIDENTAL = ("seed", "warm_start.cache_dir", "threads", "logger.", "hydra", "run_dir")
+
+
+@dataclass
+class Run:
+    name: str
+    keys: dict                                   # chosen options and flattened config
+    history: dict = field(default_factory=dict)  # metric -> list of (step, value), finite values only
+    wall_s: float | None = None
+    finished: bool = True                        # summary.json written (the run reached its last step)
+    nonfinite: dict = field(default_factory=dict)  # metric -> steps where it was logged as nan or inf
+
+    @property
+    def last_step(self) -> int:
+        return max((s for series in self.history.values() for s, _ in series), default=0)
+
+
+def warn(message: str) -> None:
+    print(f"rlkit: warning: {message}", file=sys.stderr)
+
+
+def number(v) -> float | None:
+    """A logged value as a float: numbers, and the strings JSON-lines logs write for nan and inf."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+        return float(v)
+    return None
+
+
+def from_rows(name: str, keys: dict, rows: list[dict], finished: bool = True, wall_s: float | None = None) -> Run:
+    """A run from its metrics records (one dict per step, later records for a step replacing earlier)."""
+    run = Run(name, keys, finished=finished)
+    by_step = {}
+    for row in rows:
+        by_step[row["step"]] = row
+    for step in sorted(by_step):
+        for k, v in by_step[step].items():
+            x = number(v)
+            if k == "step" or x is None:
+                continue
+            if math.isfinite(x):
+                run.history.setdefault(k, []).append((step, x))
+            else:
+                run.nonfinite.setdefault(k, []).append(step)
+    run.wall_s = wall_s if wall_s is not None else sum(v for _, v in run.history.get("time/step", []))
+    return run
+
+
+def load_run(d: Path, name: str) -> Run:
+    from rlkit.logging import flatten, read_jsonl
+    meta = json.loads((d / "run.json").read_text())
+    rows = read_jsonl(d / "metrics.jsonl")
+    steps = [r["step"] for r in rows]
+    if len(steps) != len(set(steps)):
+        warn(f"{d / 'metrics.jsonl'} has a step more than once (two runs in one directory?); keeping the last")
+    summary = d / "summary.json"
+    wall = json.loads(summary.read_text()).get("wall_s") if summary.exists() else None
+    return from_rows(name, {**flatten(meta["config"]), **meta["choices"]}, rows, summary.exists(), wall)
+
+
+def load_runs(root: Path) -> list[Run]:
+    """Every directory under `root` holding run.json and metrics.jsonl."""
+    return [load_run(info.parent, str(info.parent.relative_to(root)) if info.parent != root else root.name)
+            for info in sorted(root.rglob("run.json")) if (info.parent / "metrics.jsonl").exists()]
+
+
+def load_wandb_runs(project: str) -> list[Run]:
+    """Runs of a wandb project ("entity/project") through wandb's public API (needs a server)."""
+    import wandb
+    runs = []
+    for r in wandb.Api().runs(project):
+        rows = [{"step": row["_step"], **{k: v for k, v in row.items() if not k.startswith("_")}} for row in r.scan_history()]
+        runs.append(from_rows(r.name, dict(r.config), rows, r.state == "finished", r.summary.get("_runtime")))
+    return runs
+
+
+def finished_only(runs: list[Run], include_unfinished: bool = False) -> list[Run]:
+    """The runs that reached their last step; the others are named and left out (or kept, and said)."""
+    for r in runs:
+        if not r.finished:
+            planned = r.keys.get("steps", "?")
+            warn(f"run {r.name} stopped at step {r.last_step} of {planned} (no summary.json); "
+                 + ("kept, as --include-unfinished asks" if include_unfinished else
+                    "left out (--include-unfinished keeps it)"))
+    return runs if include_unfinished else [r for r in runs if r.finished]
+
+
+def differing_keys(runs: list[Run], by: list[str]) -> dict:
+    """Config keys (other than `by`, seeds and paths) whose values differ between the runs of one arm."""
+    keys = {k for r in runs for k in r.keys if k not in by and not k.startswith(INCIDENTAL)}
+    out = {}
+    for k in sorted(keys):
+        values = {json.dumps(r.keys.get(k), sort_keys=True, default=str) for r in runs}
+        if len(values) > 1:
+            out[k] = sorted(values)
+    return out
+
+
+# ---- per-run aggregates: one number per run ------------------------------------------------------------------------
+
+def parse_aggregate(spec: str) -> tuple[str, int]:
+    """'final', 'last:K' (mean of the last K logged values), 'auc' (mean height of the curve over
+    steps) or 'best' (best value after step 0).  -> (kind, K)"""
+    kind, _, k = spec.partition(":")
+    if kind == "last" and k.isdigit() and int(k) >= 1:
+        return "last", int(k)
+    if kind in ("final", "auc", "best") and not k:
+        return kind, 1
+    raise ValueError(f"aggregate {spec!r}: use final, last:K (K >= 1), auc or best")
+
+
+def aggregate_name(spec: str) -> str:
+    kind, k = parse_aggregate(spec)
+    return {"final": "final", "last": f"mean of last {k}", "auc": "area (mean over steps)",
+            "best": "best after step 0"}[kind]
+
+
+def aggregate(run: Run, metric: str, spec: str, lower: bool = False) -> float | None:
+    """`run`'s one number for `metric` under `spec`; None when it logged no value to reduce (and
+    a warning when values it logged as nan or inf were left out)."""
+    kind, k = parse_aggregate(spec)
+    series = run.history.get(metric, [])
+    if run.nonfinite.get(metric):
+        warn(f"run {run.name} logged {metric} as nan or inf at steps {run.nonfinite[metric]}; those steps are "
+             f"left out of its {aggregate_name(spec)}" + (f" (its last finite value is from step {series[-1][0]})"
+                                                       if series else ""))
+    if kind == "best":
+        series = [(s, v) for s, v in series if s > 0]  # the step-0 evaluation is the shared start, not a result
+    if not series:
+        return None
+    values = [v for _, v in series]
+    if kind in ("final", "last"):
+        return sum(values[-k:]) / len(values[-k:])
+    if kind == "best":
+        return min(values) if lower else max(values)
+    if len(series) == 1:
+        return values[0]
+    area = sum((s1 - s0) * (v0 + v1) / 2 for (s0, v0), (s1, v1) in zip(series, series[1:]))  # trapezoids
+    return area / (series[-1][0] - series[0][0])

@@ -1,0 +1,57 @@
+"""A statistic of an empty subset is missing (None, not logged), never 0: one test per metric family."""
+import json
+
+import torch
+
+from conftest import make_cfg
+from helpers import make_rollout
+from rlkit.advantages import DrGRPO
+from rlkit.aggregators import SeqMeanTokenMean
+from rlkit.config import build
+from rlkit.evaluate import evaluate
+from rlkit.logging import JsonlLogger
+from rlkit.metrics import rollout_metrics, weight_metrics
+
+
+def test_lengths_of_a_subset_with_no_member_are_missing():
+    r = make_rollout([0.0, 0.0, 0.0, 0.0], G=2, lengths=[1, 3, 2, 2], T=3)  # nothing correct
+    m = rollout_metrics(r, DrGRPO()(r))
+    assert m["train/len_correct"] is None and m["train/len_incorrect"] == 2.0
+    assert m["train/adv_std"] == 0.0 and m["train/reward"] == 0.0  # all-zero advantages: a real 0, not a missing one
+    one = make_rollout([1.0], G=1, lengths=[1], T=3)  # one row of one token
+    m = rollout_metrics(one, torch.zeros(1, 3))
+    assert m["train/reward_std"] is None and m["train/adv_std"] is None and m["train/len_incorrect"] is None
+
+
+def test_weight_shares_are_missing_when_no_token_carries_weight():
+    r = make_rollout([1.0, 1.0, 0.0, 0.0], G=2, lengths=[1, 3, 2, 2], T=3)  # each group flat: zero advantage
+    r.rows = [{"difficulty": 2}] * 2 + [{"difficulty": 5}] * 2
+    m = weight_metrics(r, DrGRPO()(r), SeqMeanTokenMean().token_weights(r.completion_mask))
+    assert m["weight/share_d2"] is None and m["weight/share_d5"] is None
+    assert m["weight/correct_sum"] == 0.0  # a sum over rows that exist is 0, not missing
+
+
+def test_loggers_leave_missing_values_out(tmp_path):
+    log = JsonlLogger(str(tmp_path), {})
+    log.log(1, {"train/len_correct": None, "train/reward": 0.0, "train/x": float("nan")})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "train/reward": 0.0, "train/x": "nan"}
+
+
+def test_evaluation_reports_greedy_and_sampled_accuracy_per_difficulty_on_a_fixed_set(tmp_path):
+    cfg = make_cfg(["task=arithmetic_wide", "task.n_train=64", "task.n_eval=24", "task.max_terms=4"])
+    task, other_seed = build(cfg, "task"), build(make_cfg(["task=arithmetic_wide", "task.n_train=64", "task.n_eval=24",
+                                                           "task.max_terms=4", "seed=7"]), "task")
+    assert task.eval.to_list() == other_seed.eval.to_list()  # the evaluation set does not follow the run's seed
+    policy, tokenizer = build(cfg, "model").build(task.alphabet, seed=0)  # untrained: mostly wrong answers
+    engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
+    torch.manual_seed(3)
+    expected_next = torch.rand(1)
+    torch.manual_seed(3)
+    out = evaluate(engine, tokenizer, task, batch_size=16, max_new_tokens=4, samples=3, seed=0)
+    assert torch.equal(torch.rand(1), expected_next)  # sampling at evaluation leaves training's random stream alone
+    assert out == evaluate(engine, tokenizer, task, batch_size=16, max_new_tokens=4, samples=3, seed=0)
+    levels = {r["difficulty"] for r in task.eval}
+    assert {f"eval/acc_d{d}" for d in levels} | {f"eval/mean@3_d{d}" for d in levels} <= set(out)
+    assert all(v is None or 0 <= v <= 1 for k, v in out.items() if "acc" in k or "mean@" in k)
+    if out["eval/accuracy"] == 0:  # an untrained policy answers nothing right: no correct lengths to average
+        assert out["eval/len_correct"] is None
