@@ -1,0 +1,232 @@
+"""`rlkit-study`: a declared study run end to end. The study file (`experiments/<name>/study.yaml`)
+fixes, before any run, the arms, the claim, the primary metric and its per-run aggregate, the
+direction and smallest effect of interest, alpha and power, the secondary metrics, an engagement
+check and the seed cap. The command runs a pilot of paired seeds, plans the seed count from the
+pilot's spread at the declared smallest effect, runs the rest up to the cap, keeps every run's raw
+metrics under `experiments/<name>/results/`, and writes the verdict into the study's README.
+A killed study resumes where it stopped: recorded runs are kept, an interrupted run resumes from
+its checkpoint, and the plan is never recomputed.
+
+    rlkit-study length_bias                 # pilot, plan, runs, analysis, README
+    rlkit-study length_bias --analyse-only  # recompute every number from results/ alone
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlkit import files, stats
+from rlkit.guards import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from rlkit.runs import parse_aggregate
+
+
+@dataclass
+class MetricSpec:
+    metric: str = MISSING            # a logged metric, e.g. eval/accuracy
+    aggregate: str = "last:3"        # each run's one number: final, last:K, auc or best (after step 0)
+    lower: bool = False              # lower values are better (lengths, losses)
+
+
+@dataclass
+class Primary(MetricSpec):
+    direction: str = MISSING         # the claimed effect of each treatment against the baseline: higher, lower or equal
+    smallest_effect: float = MISSING  # the smallest difference of interest; for `equal`, the equivalence margin
+
+
+@dataclass
+class Engagement(MetricSpec):
+    at_least: float | None = None    # each treatment arm's mean aggregate must reach this ...
+    at_most: float | None = None     # ... or stay below this, for the treatment to count as applied
+
+
+@dataclass
+class Seeds:
+    pilot: int = 3                   # paired seeds per arm run first; their spread plans the rest
+    cap: int = 20                    # most seeds per arm the study may spend
+    pilot_confidence: float = 0.8    # the pilot's sd is raised to this upper confidence limit before planning
+
+
+@dataclass
+class StudySpec:
+    claim: str = MISSING             # the published claim under test, in one or two sentences
+    source: str = MISSING            # the paper (authors, year, arXiv id)
+    config: list = field(default_factory=list)  # overrides every arm shares (the testbed), e.g. [+experiment=wide_testbed]
+    arms: dict = MISSING             # arm name -> its own overrides; arms differ in one mechanism
+    baseline: str = MISSING          # the arm the others are compared with
+    primary: Primary = MISSING
+    secondary: list = field(default_factory=list)  # MetricSpec entries, Holm-corrected together
+    engagement: Engagement | None = None  # a metric that shows the treatment acted
+    alpha: float = 0.05
+    power: float = 0.8
+    seeds: Seeds = field(default_factory=Seeds)
+
+
+class StudyError(ValueError):
+    """A study file that cannot run as written."""
+
+
+def load_spec(path: Path) -> StudySpec:
+    """The study file checked against `StudySpec`: unknown or missing keys and impossible values are named."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(StudySpec), OmegaConf.load(path))
+        merged.secondary = [OmegaConf.merge(OmegaConf.structured(MetricSpec), s) for s in merged.secondary]
+        spec = OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, OSError) as e:
+        raise StudyError(f"{path}: {e}".strip()) from None
+    problems = []
+    if spec.baseline not in spec.arms or len(spec.arms) < 2:
+        problems.append(f"baseline {spec.baseline!r} must be one of at least two arms (arms: {', '.join(spec.arms)})")
+    if spec.primary.direction not in ("higher", "lower", "equal"):
+        problems.append(f"primary.direction must be higher, lower or equal, got {spec.primary.direction!r}")
+    if not spec.primary.smallest_effect > 0:
+        problems.append("primary.smallest_effect must be > 0")
+    if not (0 < spec.alpha < 0.5 and 0.5 <= spec.power < 1):
+        problems.append(f"alpha must be in (0, 0.5) and power in [0.5, 1), got {spec.alpha}, {spec.power}")
+    if not 2 <= spec.seeds.pilot <= spec.seeds.cap:
+        problems.append(f"seeds need 2 <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
+    if spec.engagement is not None and (spec.engagement.at_least is None) == (spec.engagement.at_most is None):
+        problems.append("engagement needs exactly one of at_least and at_most")
+    for m in [spec.primary, *spec.secondary, *([spec.engagement] if spec.engagement else [])]:
+        try:
+            parse_aggregate(m.aggregate)
+        except ValueError as e:
+            problems.append(f"{m.metric}: {e}")
+    if problems:
+        raise StudyError(f"{path}: " + "; ".join(problems))
+    return spec
+
+
+# ---- what is recorded: one gzipped JSON-lines file per finished run ---------------------------------------------------
+
+def record_path(results: Path, arm: str, seed: int) -> Path:
+    return results / "runs" / f"{arm}_seed{seed}.jsonl.gz"
+
+
+def record(results: Path, arm: str, seed: int, run_dir: Path, exit_code: int) -> None:
+    """The run's metrics, config and hardware, written whole (a kill leaves no half file)."""
+    meta = json.loads((run_dir / "run.json").read_text())
+    head = {"arm": arm, "seed": seed, "exit": exit_code, "finished": (run_dir / "summary.json").exists(),
+            "choices": meta["choices"], "config": meta["config"], "hardware": meta.get("hardware")}
+    body = (run_dir / "metrics.jsonl").read_text()
+    path = record_path(results, arm, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with files.staged(path, path.name) as tmp:
+        tmp.write_bytes(gzip.compress((json.dumps(head) + "\n" + body).encode(), mtime=0))
+
+
+def read_records(results: Path) -> list[tuple[dict, list[dict]]]:
+    """Every recorded run: (head, metric rows)."""
+    out = []
+    for path in sorted((results / "runs").glob("*.jsonl.gz")):
+        lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+        out.append((json.loads(lines[0]), [json.loads(line) for line in lines[1:] if line.strip()]))
+    return out
+
+
+# ---- running -------------------------------------------------------------------------------------------------------
+
+def train(spec: StudySpec, arm: str, seed: int, run_dir: Path) -> int:
+    """One run through `rlkit-train` in its own process (so nothing carries over between runs); its
+    output goes to `<run_dir>.log`. A rerun of an interrupted run resumes from its checkpoint."""
+    cmd = [sys.executable, "-m", "rlkit.train", *spec.config, *spec.arms[arm], f"seed={seed}",
+           f"hydra.run.dir={run_dir}"]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{run_dir}.log", "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Path) -> None:
+    """Every arm at every seed in `seeds` that is not recorded yet, seed by seed (pairs complete early)."""
+    for seed in seeds:
+        for arm in spec.arms:
+            if record_path(results, arm, seed).exists():
+                continue
+            run_dir = runs / arm / f"seed_{seed}"
+            t0 = time.time()
+            code = train(spec, arm, seed, run_dir)
+            print(f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
+                  file=sys.stderr)
+            if code in (0, 3) and (run_dir / "metrics.jsonl").exists():  # 3: stopped by non-finite updates; kept, named
+                record(results, arm, seed, run_dir, code)
+            elif code == EXIT_PREEMPTED:
+                raise SystemExit(f"rlkit-study: {name}: stopped by a signal; rerun the same command to resume")
+            else:
+                raise SystemExit(f"rlkit-study: {name}: {arm} seed {seed} failed (exit {code}); see {run_dir}.log. "
+                                 "Fix the cause and rerun the same command: recorded runs are kept")
+
+
+def plan(spec: StudySpec, records: list) -> dict:
+    """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
+    declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
+    from rlkit.verdict import per_run
+    values = per_run(records, spec.primary)
+    treatments = [a for a in spec.arms if a != spec.baseline]
+    alpha = spec.alpha / len(treatments)
+    out = {"pilot_seeds": spec.seeds.pilot, "cap": spec.seeds.cap, "alpha_for_planning": alpha, "arms": {}}
+    for arm in treatments:
+        pairs = [(values[spec.baseline][s], values[arm][s]) for s in values[arm] if s in values[spec.baseline]]
+        d = stats.paired([a for a, _ in pairs], [b for _, b in pairs])
+        sd = stats.inflated_sd(d.sd, d.n, spec.seeds.pilot_confidence) if d.n >= 2 else float("nan")
+        if spec.primary.direction == "equal":
+            need = stats.seeds_for_equivalence(spec.primary.smallest_effect, sd, spec.power, alpha)
+        else:
+            need = stats.seeds_for_power(spec.primary.smallest_effect, sd, True, spec.power, alpha)
+        out["arms"][arm] = {"pilot_pairs": d.n, "pilot_sd": d.sd, "planning_sd": sd,
+                            "needed": need if need is not None else spec.seeds.pilot}
+    needed = max(a["needed"] for a in out["arms"].values())
+    out.update(needed=needed, seeds=min(spec.seeds.cap, max(spec.seeds.pilot, needed)), capped=needed > spec.seeds.cap)
+    return out
+
+
+def study_paths(target: str) -> tuple[str, Path]:
+    """(name, study file) from a study name under ./experiments or a path to a study file or its folder."""
+    p = Path(target)
+    path = p if p.suffix in (".yaml", ".yml") else (p / "study.yaml" if p.is_dir() else Path("experiments", target, "study.yaml"))
+    if not path.exists():
+        raise StudyError(f"no study file {path}; a study is experiments/<name>/study.yaml (or give its path)")
+    return path.parent.name, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlkit-study", description=__doc__.split("\n")[0].strip("`: "))
+    p.add_argument("study", help="a study name (experiments/<name>/study.yaml) or the path of a study file")
+    p.add_argument("--runs", type=Path, help="where run directories go (default: outputs/studies/<name>)")
+    p.add_argument("--analyse-only", action="store_true", help="no runs: recompute the analysis from results/")
+    a = p.parse_args(argv)
+    try:
+        name, path = study_paths(a.study)
+        spec = load_spec(path)
+    except StudyError as e:
+        print(f"rlkit-study: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    results, runs = path.parent / "results", a.runs or Path("outputs", "studies", name)
+    if not a.analyse_only:
+        if os.getcwd() not in sys.path:  # plugins next to the user's configs import, as under rlkit-train
+            sys.path.insert(0, os.getcwd())
+        run_seeds(spec, name, range(spec.seeds.pilot), runs, results)
+        plan_file = results / "plan.json"
+        if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
+            files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
+        fixed = json.loads(plan_file.read_text())
+        print(f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap "
+              f"{fixed['cap']})", file=sys.stderr)
+        run_seeds(spec, name, range(fixed["seeds"]), runs, results)
+    from rlkit.verdict import write_report
+    print(write_report(spec, name, path, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Declared studies: the study file is checked, verdicts follow the declared rule (worked by hand
+on records the test writes), the plan comes from the pilot's spread, every study in experiments/
+composes, and a tiny study runs end to end through real training runs, killed and resumed."""
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, make_cfg
+from rlkit import stats
+from rlkit.study import load_spec, main as study_main, plan, read_records, StudyError
+from rlkit.verdict import MARKER, analyse
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_spec(tmp_path, **changes):
+    spec = {"claim": "t beats b", "source": "a paper", "arms": {"b": ["algo=grpo"], "t": ["algo=dr_grpo"]},
+            "baseline": "b", "primary": {"metric": "eval/accuracy", "aggregate": "final", "direction": "higher",
+                                         "smallest_effect": 0.05},
+            "secondary": [{"metric": "train/len", "aggregate": "last:2", "lower": True}],
+            "seeds": {"pilot": 2, "cap": 8}, **changes}
+    path = tmp_path / "study.yaml"
+    path.write_text(json.dumps(spec))
+    return load_spec(path)
+
+
+def rec(arm, seed, acc, length=10.0, finished=True, exit_code=0):
+    rows = [{"step": 0, "eval/accuracy": 0.3}, {"step": 1, "eval/accuracy": acc, "train/len": length},
+            {"step": 2, "eval/accuracy": acc, "train/len": length}]
+    return {"arm": arm, "seed": seed, "exit": exit_code, "finished": finished, "choices": {}, "config": {"seed": seed},
+            "hardware": {"cpu": "x"}}, rows
+
+
+def records(base, treat, **kw):
+    return [rec("b", s, v) for s, v in enumerate(base)] + [rec("t", s, v, **kw) for s, v in enumerate(treat)]
+
+
+def verdict(spec, recs, plan_=None):
+    return analyse(spec, recs, plan_)["verdicts"]["t"]
+
+
+def test_a_study_file_that_cannot_run_is_named(tmp_path, capsys):
+    with pytest.raises(StudyError, match="primary.direction must be higher, lower or equal"):
+        write_spec(tmp_path, primary={"metric": "m", "direction": "up", "smallest_effect": 1})
+    with pytest.raises(StudyError, match="baseline 'x' must be one of at least two arms"):
+        write_spec(tmp_path, baseline="x")
+    with pytest.raises(StudyError, match="Key 'power_target' not in 'StudySpec'"):
+        write_spec(tmp_path, power_target=0.9)
+    with pytest.raises(StudyError, match="use final, last:K"):
+        write_spec(tmp_path, secondary=[{"metric": "m", "aggregate": "last"}])
+    assert study_main([str(tmp_path / "nowhere")]) == 2
+    assert "no study file" in capsys.readouterr().err
+
+
+def test_verdicts_follow_the_declared_rule(tmp_path):
+    spec = write_spec(tmp_path)
+    assert verdict(spec, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "reproduced"
+    assert verdict(spec, records([0.3, 0.4, 0.5], [0.1, 0.15, 0.3]))[0] == "refuted"   # clearly lower
+    word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505]))
+    assert word == "equivalent" and "no effect as large as 0.05 either way" in why
+    word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.3, 0.55]), {"capped": True})
+    assert word == "inconclusive" and "undecided at the seed cap (8)" in why and "seeds per arm would decide" in why
+    equal = write_spec(tmp_path, primary={"metric": "eval/accuracy", "aggregate": "final", "direction": "equal",
+                                          "smallest_effect": 0.05})
+    assert verdict(equal, records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505]))[1].endswith(
+        "the claim holds")
+    assert verdict(equal, records([0.3, 0.4, 0.5], [0.6, 0.72, 0.8]))[0] == "refuted"
+    engaged = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11})
+    assert verdict(engaged, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "not tested"
+
+
+def test_the_analysis_pairs_by_seed_names_what_it_leaves_out_and_corrects_secondary_lines(tmp_path):
+    spec = write_spec(tmp_path)
+    recs = records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44])  # differences 0.10, 0.12, 0.11, 0.09: mean 0.105
+    recs.append(rec("t", 4, 0.9, finished=False, exit_code=3))  # stopped by non-finite updates
+    recs.append(rec("b", 5, 0.2))                                # no partner: unpaired, not in the primary test
+    r = analyse(spec, recs, None)
+    d = r["diffs"]["t"]
+    assert d.n == 4 and d.diff == pytest.approx(0.105) and r["left_out"] == ["t seed 4: stopped at step 2 (exit 3); "
+                                                                              "not analysed"]
+    label, sec, *_ = r["secondary"][0]
+    assert label == "mean of last 2 train/len: t - b" and sec.zero_variance  # every length 10 in both arms
+
+
+def test_the_plan_comes_from_the_pilot_spread_at_the_declared_effect(tmp_path):
+    spec = write_spec(tmp_path)
+    pilot = records([0.3, 0.4, 0.5], [0.33, 0.47, 0.52])  # differences 0.03, 0.07, 0.02: sd 0.026458
+    p = plan(spec, pilot)
+    sd = stats.inflated_sd(0.026458, 3, 0.8)
+    assert p["arms"]["t"]["pilot_sd"] == pytest.approx(0.026458, abs=1e-5)
+    assert p["needed"] == stats.seeds_for_power(0.05, sd, True) and p["seeds"] == min(8, p["needed"])
+
+
+@pytest.mark.parametrize("study", sorted(p.parent.name for p in (REPO / "experiments").glob("*/study.yaml")))
+def test_every_declared_study_loads_and_its_arms_compose(study):
+    spec = load_spec(REPO / "experiments" / study / "study.yaml")
+    for overrides in spec.arms.values():
+        cfg = make_cfg([*spec.config, *overrides])
+        assert cfg.steps >= 1
+
+
+TINY = """claim: Dr. GRPO raises the reward faster than GRPO on the tiny testbed.
+source: the test
+config: {config}
+arms:
+  grpo: [algo=grpo]
+  dr_grpo: [algo=dr_grpo]
+baseline: grpo
+primary: {{metric: train/reward, aggregate: "last:2", direction: higher, smallest_effect: 0.01}}
+secondary:
+  - {{metric: eval/accuracy, aggregate: "last:2"}}
+engagement: {{metric: train/frac_zero_std_groups, aggregate: "last:2", at_most: 1.0}}
+seeds: {{pilot: 2, cap: 3}}
+"""
+
+
+def test_a_tiny_study_runs_end_to_end_and_resumes_after_a_kill(tmp_path):
+    folder = tmp_path / "experiments" / "tiny"
+    folder.mkdir(parents=True)
+    (folder / "study.yaml").write_text(TINY.format(config=json.dumps([*FAST, f"warm_start.cache_dir={tmp_path}/c"])))
+    (folder / "README.md").write_text("# Tiny\n\nHand-written setup, kept.\n")
+    cmd = [sys.executable, "-m", "rlkit.study", "tiny"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    second = tmp_path / "outputs" / "studies" / "tiny" / "dr_grpo" / "seed_0"
+    t0 = time.time()
+    while not second.exists():  # the pilot's second run has started: kill the study and the run
+        assert proc.poll() is None and time.time() - t0 < 300, proc.stderr.read()[-3000:]
+        time.sleep(0.02)
+    first = (folder / "results" / "runs" / "grpo_seed0.jsonl.gz").read_bytes()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (folder / "results" / "runs" / "grpo_seed0.jsonl.gz").read_bytes() == first  # recorded: not rerun
+    assert Path(f"{second}.log").read_text().count("$ ") == 2  # interrupted: rerun with the same command
+    heads = [h for h, _ in read_records(folder / "results")]
+    assert sorted((h["arm"], h["seed"]) for h in heads) == sorted((a, s) for a in ("grpo", "dr_grpo") for s in range(3))
+    fixed = json.loads((folder / "results" / "plan.json").read_text())
+    assert fixed["capped"] and fixed["seeds"] == 3  # the planned count passes the cap of 3
+    rows = gzip.decompress((folder / "results" / "runs" / "dr_grpo_seed0.jsonl.gz").read_bytes()).decode().splitlines()
+    assert [json.loads(r)["step"] for r in rows[1:]] == [0, 1, 2]
+    readme = (folder / "README.md").read_text()
+    assert readme.startswith("# Tiny\n\nHand-written setup, kept.\n") and MARKER in readme
+    assert "### Verdict, dr_grpo against grpo: " in readme and "| grpo | 3 |" in readme and done.stdout.strip() in readme
+    assert (folder / "results" / "train_reward.png").exists()
+    again = subprocess.run([*cmd, "--analyse-only"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and (folder / "README.md").read_text() == readme  # recomputed by one command
