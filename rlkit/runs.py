@@ -66,8 +66,10 @@ def load_run(d: Path, name: str) -> Run:
     meta = json.loads((d / "run.json").read_text())
     rows = read_jsonl(d / "metrics.jsonl")
     steps = [r["step"] for r in rows]
-    if len(steps) != len(set(steps)):
-        warn(f"{d / 'metrics.jsonl'} has a step more than once (two runs in one directory?); keeping the last")
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    if repeated:
+        warn(f"{d / 'metrics.jsonl'} has step {repeated[0]} more than once (two runs in one directory?); keeping "
+             "the last")
     summary = d / "summary.json"
     wall = json.loads(summary.read_text()).get("wall_s") if summary.exists() else None
     return from_rows(name, {**flatten(meta["config"]), **meta["choices"]}, rows, summary.exists(), wall)

@@ -190,6 +190,22 @@ def plan(spec: StudySpec, records: list) -> dict:
     return out
 
 
+def check_logged(spec: StudySpec, records: list) -> None:
+    """Every declared metric was logged by the pilot's runs (the engagement metric by a treatment
+    arm's), so a misspelled name stops the study before it spends the rest of its seeds."""
+    logged: dict[str, set] = {}
+    for head, rows in records:
+        logged.setdefault(head["arm"], set()).update(k for row in rows for k in row)
+    everywhere = set.union(*logged.values()) if logged else set()
+    missing = [m.metric for m in [spec.primary, *spec.secondary] if m.metric not in everywhere]
+    if spec.engagement is not None and not any(spec.engagement.metric in logged.get(a, ()) for a in spec.arms
+                                               if a != spec.baseline):
+        missing.append(spec.engagement.metric)
+    if missing:
+        raise SystemExit(f"rlkit-study: error: no pilot run logged {', '.join(missing)}; logged: "
+                         f"{', '.join(sorted(everywhere - {'step'}))[:1500]}")
+
+
 def study_paths(target: str) -> tuple[str, Path]:
     """(name, study file) from a study name under ./experiments or a path to a study file or its folder."""
     p = Path(target)
@@ -216,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.getcwd() not in sys.path:  # plugins next to the user's configs import, as under rlkit-train
             sys.path.insert(0, os.getcwd())
         run_seeds(spec, name, range(spec.seeds.pilot), runs, results)
+        check_logged(spec, read_records(results))
         plan_file = results / "plan.json"
         if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
             files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))

@@ -94,6 +94,7 @@ def test_compare_keeps_the_last_of_repeated_steps_and_says_so(tmp_path, capsys):
     (tmp_path / "r" / "run.json").write_text(json.dumps({"choices": {"algo": "grpo"}, "config": {}}))
     write_jsonl(tmp_path / "r" / "metrics.jsonl", [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "eval/accuracy": 0.2},
                                                    {"step": 0, "eval/accuracy": 0.3}, {"step": 1, "eval/accuracy": 0.4}])
+    (tmp_path / "r" / "summary.json").write_text("{}")
     assert compare_main([str(tmp_path), "--by", "algo"]) == 0
     out = capsys.readouterr()
     assert "has step 0 more than once" in out.err and "0.400" in out.out
