@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # config keys that may differ between the runs of one arm without making them different runs
-INCIDENTAL = ("seed", "warm_start.cache_dir", "threads", "logger.", "hydra", "run_dir")
+INCIDENTAL = ("seed", "warm_start.cache_dir", "threads", "logger", "hydra", "run_dir")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
+import signal
 import subprocess
 import sys
 import time
@@ -135,36 +135,83 @@ def read_records(results: Path) -> list[tuple[dict, list[dict]]]:
 
 # ---- running -------------------------------------------------------------------------------------------------------
 
-def train(spec: StudySpec, arm: str, seed: int, run_dir: Path) -> int:
+class Signals:
+    """While the study runs: SIGINT or SIGTERM is forwarded once to the training run in progress
+    (which checkpoints and exits 75), and no further run starts."""
+
+    def __init__(self):
+        self.proc, self.received = None, None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, sig, frame) -> None:
+        self.received = signal.Signals(sig).name
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+
+def train(spec: StudySpec, arm: str, seed: int, run_dir: Path, signals: Signals) -> int:
     """One run through `rlkit-train` in its own process (so nothing carries over between runs); its
-    output goes to `<run_dir>.log`. A rerun of an interrupted run resumes from its checkpoint."""
+    output goes to `<run_dir>.log`. A rerun of an interrupted run resumes from its checkpoint. The
+    run sits in a session of its own, so a signal to the study reaches it once, through `signals`;
+    if the study is killed outright, so is the run."""
     cmd = [sys.executable, "-m", "rlkit.train", *spec.config, *spec.arms[arm], f"seed={seed}",
            f"hydra.run.dir={run_dir}"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{run_dir}.log", "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+        signals.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=die_with_parent)
+        try:
+            return signals.proc.wait()
+        finally:
+            signals.proc = None
 
 
-def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Path) -> None:
+def die_with_parent() -> None:
+    """In the child, before exec: on Linux, be killed when the study process dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+class Stopped(Exception):
+    """The study stops here; `code` is its exit status."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Path, signals: Signals) -> None:
     """Every arm at every seed in `seeds` that is not recorded yet, seed by seed (pairs complete early)."""
     for seed in seeds:
         for arm in spec.arms:
             if record_path(results, arm, seed).exists():
                 continue
+            if signals.received:
+                raise Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received} before {arm} seed {seed}; "
+                                              "rerun the same command to resume")
             run_dir = runs / arm / f"seed_{seed}"
             t0 = time.time()
-            code = train(spec, arm, seed, run_dir)
+            code = train(spec, arm, seed, run_dir, signals)
             print(f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
                   file=sys.stderr)
             if code in (0, 3) and (run_dir / "metrics.jsonl").exists():  # 3: stopped by non-finite updates; kept, named
                 record(results, arm, seed, run_dir, code)
-            elif code == EXIT_PREEMPTED:
-                raise SystemExit(f"rlkit-study: {name}: stopped by a signal; rerun the same command to resume")
+            elif code == EXIT_PREEMPTED or (signals.received and code < 0):  # < 0: hit before it could checkpoint
+                raise Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received or 'a signal'} during {arm} seed "
+                                              f"{seed}; rerun the same command to resume")
             else:
-                raise SystemExit(f"rlkit-study: {name}: {arm} seed {seed} failed (exit {code}); see {run_dir}.log. "
-                                 "Fix the cause and rerun the same command: recorded runs are kept")
+                raise Stopped(code if code > 0 else 1, f"{name}: {arm} seed {seed} failed (exit {code}); see "
+                              f"{run_dir}.log. Fix the cause and rerun the same command: recorded runs are kept")
 
 
 def plan(spec: StudySpec, records: list) -> dict:
@@ -202,8 +249,8 @@ def check_logged(spec: StudySpec, records: list) -> None:
                                                if a != spec.baseline):
         missing.append(spec.engagement.metric)
     if missing:
-        raise SystemExit(f"rlkit-study: error: no pilot run logged {', '.join(missing)}; logged: "
-                         f"{', '.join(sorted(everywhere - {'step'}))[:1500]}")
+        raise Stopped(EXIT_BAD_INPUT, f"no pilot run logged {', '.join(missing)}; logged: "
+                                      f"{', '.join(sorted(everywhere - {'step'}))[:1500]}")
 
 
 def study_paths(target: str) -> tuple[str, Path]:
@@ -213,6 +260,25 @@ def study_paths(target: str) -> tuple[str, Path]:
     if not path.exists():
         raise StudyError(f"no study file {path}; a study is experiments/<name>/study.yaml (or give its path)")
     return path.parent.name, path
+
+
+def run_all(spec: StudySpec, name: str, runs: Path, results: Path) -> None:
+    """The pilot, the plan (fixed once), then the planned seeds."""
+    with Signals() as signals:
+        run_planned(spec, name, runs, results, signals)
+
+
+def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals) -> None:
+    run_seeds(spec, name, range(spec.seeds.pilot), runs, results, signals)
+    check_logged(spec, read_records(results))
+    plan_file = results / "plan.json"
+    if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
+        files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
+    fixed = json.loads(plan_file.read_text())
+    print(f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap "
+          f"{fixed['cap']})", file=sys.stderr)
+    run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals)
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,17 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     results, runs = path.parent / "results", a.runs or Path("outputs", "studies", name)
     if not a.analyse_only:
-        if os.getcwd() not in sys.path:  # plugins next to the user's configs import, as under rlkit-train
-            sys.path.insert(0, os.getcwd())
-        run_seeds(spec, name, range(spec.seeds.pilot), runs, results)
-        check_logged(spec, read_records(results))
-        plan_file = results / "plan.json"
-        if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
-            files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
-        fixed = json.loads(plan_file.read_text())
-        print(f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap "
-              f"{fixed['cap']})", file=sys.stderr)
-        run_seeds(spec, name, range(fixed["seeds"]), runs, results)
+        try:
+            run_all(spec, name, runs, results)
+        except Stopped as e:
+            print(f"rlkit-study: {'error: ' if e.code != EXIT_PREEMPTED else ''}{e}", file=sys.stderr)
+            return e.code
     from rlkit.verdict import write_report
     print(write_report(spec, name, path, results))
     return 0

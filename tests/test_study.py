@@ -121,31 +121,44 @@ seeds: {{pilot: 2, cap: 3}}
 """
 
 
-def test_a_tiny_study_runs_end_to_end_and_resumes_after_a_kill(tmp_path):
+def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_path):
     folder = tmp_path / "experiments" / "tiny"
     folder.mkdir(parents=True)
     (folder / "study.yaml").write_text(TINY.format(config=json.dumps([*FAST, f"warm_start.cache_dir={tmp_path}/c"])))
     (folder / "README.md").write_text("# Tiny\n\nHand-written setup, kept.\n")
     cmd = [sys.executable, "-m", "rlkit.study", "tiny"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    second = tmp_path / "outputs" / "studies" / "tiny" / "dr_grpo" / "seed_0"
-    t0 = time.time()
-    while not second.exists():  # the pilot's second run has started: kill the study and the run
-        assert proc.poll() is None and time.time() - t0 < 300, proc.stderr.read()[-3000:]
-        time.sleep(0.02)
+    runs = tmp_path / "outputs" / "studies" / "tiny"
+
+    def start_and_wait_for(path):
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        t0 = time.time()
+        while not path.exists():
+            assert proc.poll() is None and time.time() - t0 < 300, proc.stderr.read()[-3000:]
+            time.sleep(0.02)
+        return proc
+
+    # SIGTERM while the pilot's second run starts: the run stops, the study exits 75 and says so
+    proc = start_and_wait_for(runs / "dr_grpo" / "seed_0")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75
+    assert "rerun the same command to resume" in proc.stderr.read()
+    # kill -9 of the study and its run while the pilot's third run trains
     first = (folder / "results" / "runs" / "grpo_seed0.jsonl.gz").read_bytes()
+    proc = start_and_wait_for(runs / "grpo" / "seed_1")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (folder / "results" / "runs" / "grpo_seed0.jsonl.gz").read_bytes() == first  # recorded: not rerun
-    assert Path(f"{second}.log").read_text().count("$ ") == 2  # interrupted: rerun with the same command
+    for interrupted in ("dr_grpo/seed_0", "grpo/seed_1"):  # rerun with the same command
+        assert (runs / f"{interrupted}.log").read_text().count("$ ") == 2
     heads = [h for h, _ in read_records(folder / "results")]
     assert sorted((h["arm"], h["seed"]) for h in heads) == sorted((a, s) for a in ("grpo", "dr_grpo") for s in range(3))
     fixed = json.loads((folder / "results" / "plan.json").read_text())
     assert fixed["capped"] and fixed["seeds"] == 3  # the planned count passes the cap of 3
-    rows = gzip.decompress((folder / "results" / "runs" / "dr_grpo_seed0.jsonl.gz").read_bytes()).decode().splitlines()
-    assert [json.loads(r)["step"] for r in rows[1:]] == [0, 1, 2]
+    for name in ("dr_grpo_seed0", "grpo_seed1"):
+        rows = gzip.decompress((folder / "results" / "runs" / f"{name}.jsonl.gz").read_bytes()).decode().splitlines()
+        assert [json.loads(r)["step"] for r in rows[1:]] == [0, 1, 2]
     readme = (folder / "README.md").read_text()
     assert readme.startswith("# Tiny\n\nHand-written setup, kept.\n") and MARKER in readme
     assert "### Verdict, dr_grpo against grpo: " in readme and "| grpo | 3 |" in readme and done.stdout.strip() in readme
