@@ -42,7 +42,9 @@ def test_evaluation_reports_greedy_and_sampled_accuracy_per_difficulty_on_a_fixe
     task, other_seed = build(cfg, "task"), build(make_cfg(["task=arithmetic_wide", "task.n_train=64", "task.n_eval=24",
                                                            "task.max_terms=4", "seed=7"]), "task")
     assert task.eval.to_list() == other_seed.eval.to_list()  # the evaluation set does not follow the run's seed
-    policy, tokenizer = build(cfg, "model").build(task.alphabet, seed=0)  # untrained: mostly wrong answers
+    policy, tokenizer = build(cfg, "model").build(task.alphabet, seed=0)
+    for p in policy.parameters():  # all logits equal: greedy decoding writes padding, never a correct answer
+        torch.nn.init.zeros_(p)
     engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
     torch.manual_seed(3)
     expected_next = torch.rand(1)
@@ -53,5 +55,4 @@ def test_evaluation_reports_greedy_and_sampled_accuracy_per_difficulty_on_a_fixe
     levels = {r["difficulty"] for r in task.eval}
     assert {f"eval/acc_d{d}" for d in levels} | {f"eval/mean@3_d{d}" for d in levels} <= set(out)
     assert all(v is None or 0 <= v <= 1 for k, v in out.items() if "acc" in k or "mean@" in k)
-    if out["eval/accuracy"] == 0:  # an untrained policy answers nothing right: no correct lengths to average
-        assert out["eval/len_correct"] is None
+    assert out["eval/accuracy"] == 0.0 and out["eval/len_correct"] is None and out["eval/len_incorrect"] == 4.0

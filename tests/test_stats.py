@@ -171,6 +171,12 @@ def test_what_compare_cannot_use_is_said_never_silently_dropped(tmp_path, capsys
     assert "| grpo | 3 | 0.600 ± 0.248 |" in (tmp_path / "compare" / "compare.md").read_text()  # 0.5, 0.6, 0.7
     compare_main([str(tmp_path), "--by", "algo", "--include-unfinished"])  # 0.5, 0.6, 0.2, 0.7
     assert "| grpo | 4 | 0.500 ± 0.344 |" in (tmp_path / "compare" / "compare.md").read_text()
+    (tmp_path / "g4").mkdir()  # a run that never logged the metric: counted as missing, not as 0
+    (tmp_path / "g4" / "run.json").write_text(json.dumps({"choices": {"algo": "grpo"}, "config": {"seed": 4}}))
+    (tmp_path / "g4" / "metrics.jsonl").write_text('{"step": 0, "train/reward": 0.5}\n')
+    (tmp_path / "g4" / "summary.json").write_text("{}")
+    compare_main([str(tmp_path), "--by", "algo"])
+    assert "| grpo | 4 | 0.600 ± 0.248 (1 of 4 runs without it) |" in (tmp_path / "compare" / "compare.md").read_text()
     with pytest.raises(SystemExit):
         compare_main([str(tmp_path), "--metric", "train/nothing"])
     assert "--metric train/nothing: no run logged it" in capsys.readouterr().err
