@@ -72,7 +72,8 @@ def table(groups: dict, by: list[str], metrics: list[str], threshold: float | No
             for what in (spec, "best"):
                 values = [v for v in (aggregate(r, m, what, m in lower) for r in runs) if v is not None]
                 missing = len(runs) - len(values)
-                cells.append((fmt(*mean_ci(values)) if values else "n/a") + (f" ({missing} of {len(runs)} runs without it)" if missing else ""))
+                note = f" ({missing} of {len(runs)} runs without it)" if missing else ""
+                cells.append((fmt(*mean_ci(values)) if values else "n/a") + note)
         if threshold is not None:
             hits = [first_reaching(r.history.get(metrics[0], []), threshold, metrics[0] in lower) for r in runs]
             reached = [h for h in hits if h is not None]

@@ -256,7 +256,10 @@ def check_logged(spec: StudySpec, records: list) -> None:
 def study_paths(target: str) -> tuple[str, Path]:
     """(name, study file) from a study name under ./experiments or a path to a study file or its folder."""
     p = Path(target)
-    path = p if p.suffix in (".yaml", ".yml") else (p / "study.yaml" if p.is_dir() else Path("experiments", target, "study.yaml"))
+    if p.suffix in (".yaml", ".yml"):
+        path = p
+    else:
+        path = p / "study.yaml" if p.is_dir() else Path("experiments", target, "study.yaml")
     if not path.exists():
         raise StudyError(f"no study file {path}; a study is experiments/<name>/study.yaml (or give its path)")
     return path.parent.name, path

@@ -175,7 +175,8 @@ def plot_primary(spec, records: list, results: Path) -> bool:
     from rlkit.compare import plot
     arms, _ = runs_by_arm(records)
     groups = {(arm,): list(arms[arm].values()) for arm in spec.arms if arms.get(arm)}
-    return bool(groups) and plot(groups, ["arm"], spec.primary.metric, results / (spec.primary.metric.replace("/", "_") + ".png"))
+    png = results / (spec.primary.metric.replace("/", "_") + ".png")
+    return bool(groups) and plot(groups, ["arm"], spec.primary.metric, png)
 
 
 def write_report(spec, name: str, path: Path, results: Path) -> str:
