@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlkit import files, stats
 from rlkit.guards import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from rlkit.runs import parse_aggregate
+from rlkit.verdict import per_run, write_report
 
 
 @dataclass
@@ -217,7 +218,6 @@ def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Pat
 def plan(spec: StudySpec, records: list) -> dict:
     """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
     declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
-    from rlkit.verdict import per_run
     values = per_run(records, spec.primary)
     treatments = [a for a in spec.arms if a != spec.baseline]
     alpha = spec.alpha / len(treatments)
@@ -285,7 +285,8 @@ def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlkit-study", description=__doc__.split("\n")[0].strip("`: "))
+    p = argparse.ArgumentParser(prog="rlkit-study", description="Run a declared study end to end: pilot, plan, "
+                                "runs, analysis and the verdict in the study's README.")
     p.add_argument("study", help="a study name (experiments/<name>/study.yaml) or the path of a study file")
     p.add_argument("--runs", type=Path, help="where run directories go (default: outputs/studies/<name>)")
     p.add_argument("--analyse-only", action="store_true", help="no runs: recompute the analysis from results/")
@@ -303,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         except Stopped as e:
             print(f"rlkit-study: {'error: ' if e.code != EXIT_PREEMPTED else ''}{e}", file=sys.stderr)
             return e.code
-    from rlkit.verdict import write_report
-    print(write_report(spec, name, path, results))
+    plan_file = results / "plan.json"
+    fixed = json.loads(plan_file.read_text()) if plan_file.exists() else None
+    print(write_report(spec, name, path, results, read_records(results), fixed))
     return 0
 
 

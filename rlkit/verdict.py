@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rlkit import stats
+from rlkit import files, stats
+from rlkit.compare import fmt, mean_ci, plot
 from rlkit.logging import flatten
 from rlkit.runs import Run, aggregate, aggregate_name, from_rows
 
@@ -111,7 +112,6 @@ def analyse(spec, records: list, plan: dict | None) -> dict:
 
 
 def fmt_ci(values: list[float]) -> str:
-    from rlkit.compare import fmt, mean_ci
     return fmt(*mean_ci(values)) if values else "n/a"
 
 
@@ -172,21 +172,15 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
 
 
 def plot_primary(spec, records: list, results: Path) -> bool:
-    from rlkit.compare import plot
     arms, _ = runs_by_arm(records)
     groups = {(arm,): list(arms[arm].values()) for arm in spec.arms if arms.get(arm)}
     png = results / (spec.primary.metric.replace("/", "_") + ".png")
     return bool(groups) and plot(groups, ["arm"], spec.primary.metric, png)
 
 
-def write_report(spec, name: str, path: Path, results: Path) -> str:
+def write_report(spec, name: str, path: Path, results: Path, records: list, plan: dict | None) -> str:
     """The report, written into README.md beside the study file below MARKER (text above it is kept)."""
-    import json
-    from rlkit import files
-    from rlkit.study import read_records
-    records = read_records(results)
-    plan_file = results / "plan.json"
-    section = report(spec, name, results, records, json.loads(plan_file.read_text()) if plan_file.exists() else None)
+    section = report(spec, name, results, records, plan)
     readme = path.parent / "README.md"
     head = readme.read_text().split(MARKER)[0].rstrip() if readme.exists() else f"# Study: {name}"
     files.write_text(readme, head + "\n\n" + section)
