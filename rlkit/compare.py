@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlkit import stats
 from rlkit.runs import (Run, aggregate, aggregate_name, differing_keys, finished_only, load_runs, load_wandb_runs,  # noqa: F401
-                        parse_aggregate, warn)
+                        parse_aggregate, warn, x_of)
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond
 T95 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
@@ -82,19 +82,6 @@ def table(groups: dict, by: list[str], metrics: list[str], threshold: float | No
         cells.append(fmt(*mean_ci(walls)) if walls else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def x_of(run: Run, axis: str) -> dict:
-    """Step -> horizontal position: the step, generated tokens so far, or wall seconds so far."""
-    steps = sorted({s for series in run.history.values() for s, _ in series})
-    if axis == "step":
-        return {s: float(s) for s in steps}
-    per_step = dict(run.history.get({"tokens": "train/gen_tokens", "time": "time/step"}[axis], []))
-    total, out = 0.0, {}
-    for s in steps:
-        total += per_step.get(s, 0.0)
-        out[s] = total
-    return out
 
 
 def smoothed(series: list[tuple[int, float]], k: int) -> list[tuple[int, float]]:
@@ -233,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--by", nargs="+", default=["algo"], help="choices (algo, advantage, ...) or config keys (loss.beta)")
     p.add_argument("--metric", nargs="+", default=["eval/accuracy"], help="metrics to tabulate and plot")
     p.add_argument("--aggregate", default="final", metavar="SPEC",
-                   help="each run's one number: final, last:K (mean of the last K logged values) or auc (mean "
-                   "height of the curve over steps); 'best' (after step 0) is always shown beside it")
+                   help="each run's one number: final, last:K (mean of the last K logged values), auc or "
+                   "auc:tokens (mean height of the curve over steps, or over generated tokens); 'best' (after step 0) "
+                   "is always shown beside it")
     p.add_argument("--threshold", type=float, help="report steps until the first metric reaches this value")
     p.add_argument("--lower", nargs="*", default=[], help="metrics where lower is better")
     p.add_argument("--out", type=Path, help="output directory (default: <first path>/compare)")

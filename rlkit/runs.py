@@ -113,22 +113,38 @@ def differing_keys(runs: list[Run], by: list[str]) -> dict:
     return out
 
 
+def x_of(run: Run, axis: str) -> dict:
+    """Step -> horizontal position: the step, generated tokens so far, or wall seconds so far."""
+    steps = sorted({s for series in run.history.values() for s, _ in series})
+    if axis == "step":
+        return {s: float(s) for s in steps}
+    per_step = dict(run.history.get({"tokens": "train/gen_tokens", "time": "time/step"}[axis], []))
+    total, out = 0.0, {}
+    for s in steps:
+        total += per_step.get(s, 0.0)
+        out[s] = total
+    return out
+
+
 # ---- per-run aggregates: one number per run ------------------------------------------------------------------------
 
-def parse_aggregate(spec: str) -> tuple[str, int]:
-    """'final', 'last:K' (mean of the last K logged values), 'auc' (mean height of the curve over
-    steps) or 'best' (best value after step 0).  -> (kind, K)"""
+def parse_aggregate(spec: str) -> tuple[str, int | str]:
+    """'final', 'last:K' (mean of the last K logged values), 'auc' or 'auc:tokens' (mean height of
+    the curve over steps, or over generated tokens) or 'best' (best value after step 0).
+    -> (kind, K or the auc's axis)"""
     kind, _, k = spec.partition(":")
     if kind == "last" and k.isdigit() and int(k) >= 1:
         return "last", int(k)
-    if kind in ("final", "auc", "best") and not k:
+    if kind == "auc" and k in ("", "step", "tokens"):
+        return "auc", k or "step"
+    if kind in ("final", "best") and not k:
         return kind, 1
-    raise ValueError(f"aggregate {spec!r}: use final, last:K (K >= 1), auc or best")
+    raise ValueError(f"aggregate {spec!r}: use final, last:K (K >= 1), auc, auc:tokens or best")
 
 
 def aggregate_name(spec: str) -> str:
     kind, k = parse_aggregate(spec)
-    return {"final": "final", "last": f"mean of last {k}", "auc": "area (mean over steps)",
+    return {"final": "final", "last": f"mean of last {k}", "auc": f"area (mean over {k if k == 'tokens' else 'steps'})",
             "best": "best after step 0"}[kind]
 
 
@@ -152,5 +168,7 @@ def aggregate(run: Run, metric: str, spec: str, lower: bool = False) -> float | 
         return min(values) if lower else max(values)
     if len(series) == 1:
         return values[0]
-    area = sum((s1 - s0) * (v0 + v1) / 2 for (s0, v0), (s1, v1) in zip(series, series[1:]))  # trapezoids
-    return area / (series[-1][0] - series[0][0])
+    at = x_of(run, k)  # step -> position on the axis
+    xs = [at.get(s, float(s)) for s, _ in series]
+    area = sum((x1 - x0) * (v0 + v1) / 2 for x0, x1, v0, v1 in zip(xs, xs[1:], values, values[1:]))  # trapezoids
+    return area / (xs[-1] - xs[0]) if xs[-1] > xs[0] else values[-1]

@@ -34,7 +34,7 @@ from rlkit.verdict import per_run, write_report
 @dataclass
 class MetricSpec:
     metric: str = MISSING            # a logged metric, e.g. eval/accuracy
-    aggregate: str = "last:3"        # each run's one number: final, last:K, auc or best (after step 0)
+    aggregate: str = "last:3"        # each run's one number: final, last:K, auc, auc:tokens or best (after step 0)
     lower: bool = False              # lower values are better (lengths, losses)
 
 

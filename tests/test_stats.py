@@ -7,7 +7,8 @@ import pytest
 from matplotlib.image import imread
 from scipy import stats as sps
 
-from rlkit.compare import main as compare_main, smoothed, x_of
+from rlkit.compare import main as compare_main, smoothed
+from rlkit.runs import x_of
 from rlkit.runs import Run, aggregate
 from rlkit.stats import (compare, effect_size, holm, inflated_sd, paired, robust, seeds_for_equivalence,
                          seeds_for_power, welch)
@@ -106,6 +107,9 @@ def test_per_run_aggregates_by_hand():
     assert aggregate(run, "m", "best") == 0.4 and aggregate(run, "m", "best", lower=True) == 0.1  # step 0 not counted
     # trapezoids over 30 steps: (0.7 + 0.6 + 0.5) * 10 / 2 = 9 -> 0.3
     assert aggregate(run, "m", "auc") == pytest.approx(0.3) and aggregate(run, "other", "final") is None
+    # over generated tokens, 100 at step 10 and 300 at steps 20 and 30: (0.7 * 100 + 0.6 * 300 + 0.5 * 300) / 2 / 700
+    run.history["train/gen_tokens"] = [(10, 100.0), (20, 300.0), (30, 300.0)]
+    assert aggregate(run, "m", "auc:tokens") == pytest.approx((35 + 90 + 75) / 700)
     with pytest.raises(ValueError, match="use final, last:K"):
         aggregate(run, "m", "last:0")
 
