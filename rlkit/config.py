@@ -71,7 +71,7 @@ class EvalConfig:
     every: int = 25                  # evaluate every k RL steps (and before the first and after the last)
     batch_size: int = 256            # prompts per greedy generation batch
     max_new_tokens: int = 0          # 0 = rollout.max_new_tokens
-    samples: int = 4                 # k > 0: also eval/mean@k, k completions per prompt at the rollout temperature
+    samples: int = 0                 # k > 0: also eval/mean@k, k completions per prompt at the rollout temperature
     seed: int = 0                    # random state of those samples, the same at every evaluation of every run
 
 
