@@ -19,7 +19,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlkit.models import TinyQwen2
-from rlkit.rollout import encode_prompts, generate, positions, token_logprobs
+from rlkit.engines.kv_cache import encode_prompts, generate
+from rlkit.logprobs import positions, token_logprobs
 from rlkit.tasks.arithmetic import Arithmetic
 
 

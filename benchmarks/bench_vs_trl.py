@@ -36,7 +36,8 @@ from hydra import compose, initialize_config_module
 
 from rlkit.guards import StopSignals, checked_advantages
 from rlkit import distributed
-from rlkit.rollout import Rollout, rollout_logprobs
+from rlkit.logprobs import rollout_logprobs
+from rlkit.types import Rollout
 from rlkit.setup import setup
 from rlkit.train import Timer, collect, prepare, update
 

@@ -11,7 +11,7 @@ import torch
 
 from rlkit import distributed
 from rlkit.components import AdvantageEstimator
-from rlkit.rollout import Rollout
+from rlkit.types import Rollout
 
 
 def sequence_returns(r: Rollout) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from rlkit.rollout import Generation, Rollout
+from rlkit.types import Generation, Rollout
 
 
 class AdvantageEstimator(Protocol):
@@ -112,10 +112,12 @@ class RewardFunction(Protocol):
     def __call__(self, row: dict, completion: str, task) -> float: ...
 
 
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
 def check(obj, kind: type, key: str) -> None:
     """Fail naming the config key when `obj` (a class or an instance) lacks what `kind` declares."""
-    from rlkit.config import ConfigError  # rlkit.config imports this module
-
     declared = set(getattr(kind, "__annotations__", {})) | {
         n for n, v in vars(kind).items() if callable(v) and (not n.startswith("_") or n == "__call__")}
     missing = sorted(n for n in declared if not hasattr(obj, n))

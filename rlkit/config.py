@@ -14,12 +14,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, RewardFunction, Sampler, check
+from rlkit.components import (AdvantageEstimator, Aggregator, ConfigError, Critic, Engine, PolicyLoss,  # noqa: F401
+                              RewardFunction, Sampler, check)
 from rlkit.tasks.base import TaskError
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key."""
 
 
 @dataclass

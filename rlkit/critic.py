@@ -8,7 +8,8 @@ from transformers import AutoModelForTokenClassification
 
 from rlkit import distributed
 from rlkit.components import Critic
-from rlkit.rollout import Rollout, trimmed_inputs
+from rlkit.logprobs import trimmed_inputs
+from rlkit.types import Rollout
 
 
 def build_critic(policy) -> torch.nn.Module:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlkit.components import PolicyLoss
-from rlkit.rollout import Rollout
+from rlkit.types import Rollout
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit.rollout import Rollout
+from rlkit.types import Rollout
 
 
 def mean_or_none(x: torch.Tensor) -> float | None:

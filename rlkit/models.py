@@ -11,8 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
-from rlkit.components import Model
-from rlkit.config import ConfigError
+from rlkit.components import ConfigError, Model
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

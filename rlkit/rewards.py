@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 from functools import partial
+
+import numpy as np
 import torch
 
 from rlkit.advantages import centred
@@ -78,3 +80,20 @@ def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], 
     parts = torch.stack([task.score(rows, texts, partial(fn, task=task), name, timeout_s)
                          for name, fn in functions.items()], 1)  # [N, K]
     return combine(parts, [fn.weight for fn in functions.values()], group_size, mode), parts
+
+
+def step_reward_matrix(step_rewards: list[list[tuple[int, float]]], completion_ids: torch.Tensor,
+                       completion_mask: torch.Tensor, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Place each step's reward on the token where the step's text ends.
+    Returns rewards [N, Tc] and a step mask [N, Tc]."""
+    N, T = completion_ids.shape
+    rewards, mask = torch.zeros(N, T), torch.zeros(N, T, dtype=torch.bool)
+    lengths = completion_mask.sum(-1).tolist()
+    for i, (steps, ids) in enumerate(zip(step_rewards, completion_ids.tolist())):
+        pieces = tokenizer.batch_decode([[t] for t in ids[: lengths[i]]], skip_special_tokens=True)
+        ends = np.cumsum([len(p) for p in pieces])  # characters decoded up to each token
+        for end, reward in steps:
+            t = min(int(np.searchsorted(ends, end)), lengths[i] - 1)  # token holding the step's last character
+            rewards[i, t] += reward
+            mask[i, t] = True
+    return rewards.to(completion_ids.device), mask.to(completion_ids.device)

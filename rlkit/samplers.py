@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from rlkit import distributed
 from rlkit.components import Sampler
-from rlkit.rollout import Rollout
+from rlkit.types import Rollout
 
 
 class Uniform(Sampler):

@@ -20,17 +20,18 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from rlkit import distributed, files
+from rlkit.config import ConfigError, validate
 from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
 from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE, NonFiniteError, Preempted, RunDirLock,
                           StoppedAtOnce, StopSignals, checked_advantages, check_writable, finite)
-from rlkit.metrics import mean_or_none, reward_metrics, rollout_metrics, samples, weight_metrics
-from rlkit.rewards import overlong_penalty, score
-from rlkit.rollout import Rollout, rollout_logprobs, step_reward_matrix
 from rlkit.hardware import PORTABLE_ENV, check_portable
+from rlkit.logprobs import rollout_logprobs
+from rlkit.metrics import mean_or_none, reward_metrics, rollout_metrics, samples, weight_metrics
+from rlkit.rewards import overlong_penalty, score, step_reward_matrix
 from rlkit.setup import ComposeCheck, RunState, config_path, discard_refused, hydra_run_info, save_checkpoint, setup
-from rlkit.config import ConfigError, validate
 from rlkit.tasks.base import TaskError
+from rlkit.types import Rollout
 
 hf_logging.disable_progress_bar()
 PEER_GRACE_S = 5.0

@@ -19,7 +19,8 @@ from rlkit import checkpoint
 from rlkit.files import staged
 from rlkit.guards import Preempted, file_lock
 from rlkit.hardware import kernels
-from rlkit.rollout import encode_prompts, token_logprobs
+from rlkit.engines.kv_cache import encode_prompts
+from rlkit.logprobs import token_logprobs
 
 
 def applies(cfg, task) -> bool:

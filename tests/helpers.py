@@ -2,7 +2,7 @@
 import torch
 
 from rlkit.components import AdvantageEstimator
-from rlkit.rollout import Rollout
+from rlkit.types import Rollout
 
 
 def make_rollout(rewards, G, lengths=None, T=4, shaping=None):
@@ -48,7 +48,7 @@ class RemoteLikeEngine:
         self.model, self.tokenizer = copy.deepcopy(policy).eval(), tokenizer
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
-        from rlkit.rollout import generate
+        from rlkit.engines.kv_cache import generate
         RemoteLikeEngine.generations += 1
         return generate(self.model, self.tokenizer, prompts, max_new_tokens, temperature, top_p)
 

@@ -4,7 +4,8 @@ import torch
 
 from rlkit.critic import build_critic, explained_variance, token_values, value_loss
 from rlkit.models import TinyQwen2
-from rlkit.rollout import Rollout, generate
+from rlkit.engines.kv_cache import generate
+from rlkit.types import Rollout
 from rlkit.tasks.arithmetic import ALPHABET
 
 

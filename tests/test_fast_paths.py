@@ -6,9 +6,11 @@ from hypothesis import given, settings, strategies as st
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from rlkit.decode import Lean, causal_parts, decoder, pack
+from rlkit.engines.decoders import Lean, decoder
+from rlkit.engines.kv_cache import _sample, encode_prompts, generate
+from rlkit.logprobs import causal_parts, pack, positions, token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
-from rlkit.rollout import Rollout, _sample, encode_prompts, generate, positions, token_logprobs
+from rlkit.types import Rollout
 from rlkit.tasks.arithmetic import ALPHABET
 from rlkit.train import micro_batches
 

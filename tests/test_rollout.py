@@ -4,7 +4,9 @@ import torch
 
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.models import TinyQwen2
-from rlkit.rollout import Rollout, encode_prompts, generate, token_logprobs
+from rlkit.engines.kv_cache import encode_prompts, generate
+from rlkit.logprobs import token_logprobs
+from rlkit.types import Rollout
 from rlkit.tasks.arithmetic import ALPHABET
 
 

@@ -7,73 +7,18 @@ than rebuilt, rotary angles looked up from a table, fused projections. That is a
 operations per layer and step instead of the ~230 of the generic forward. Every other model
 goes through `HFForward`,
 the model's own forward with a `DynamicCache`. Both give the model's logits (tested against
-`model.generate`); `rlkit.rollout.generate` drives either.
+`model.generate`); `rlkit.engines.kv_cache.generate` drives either.
 """
 from __future__ import annotations
 
-import heapq
 import inspect
 import sys
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from rlkit.fsdp import is_sharded
-
-LEAN_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)  # [N, S]
-
-
-def base_model(model):
-    """The causal LM under a peft wrapper (its LoRA layers stay in place)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def lean_supported(model) -> bool:
-    m = base_model(model)
-    cfg = m.config
-    if getattr(cfg, "model_type", None) not in LEAN_TYPES or not hasattr(m, "lm_head"):
-        return False
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-        return False
-    return not (cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None))
-
-
-def causal_parts(model):
-    """(decoder stack, lm_head, context to run them in) of a Llama-family causal LM, under peft or
-    as rlkit's adapters-off reference (`rlkit.models.AdaptersOff`); None for any other model.
-    For these models logits are exactly lm_head(decoder(...)), so hidden states can be gathered
-    before the head."""
-    from rlkit.models import AdaptersOff
-
-    context = nullcontext()
-    if isinstance(model, AdaptersOff):
-        model, context = model.policy[0], model.policy[0].disable_adapter()
-    if not lean_supported(model) or is_sharded(model):  # a sharded model runs through its own forward
-        return None
-    m = base_model(model)
-    return m.model, m.lm_head, context
-
-
-def pack(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
-    """Rows of these lengths placed into as few rows of `width` as worst-fit decreasing finds.
-    -> (packed row, offset) of each row and the number of packed rows"""
-    bins, offset = [0] * len(lengths), [0] * len(lengths)
-    room = []  # heap of (-free columns, packed row)
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if room and -room[0][0] >= lengths[i]:
-            free, b = heapq.heappop(room)
-            bins[i], offset[i] = b, width + free
-            heapq.heappush(room, (free + lengths[i], b))
-        else:
-            bins[i] = len(room)
-            heapq.heappush(room, (lengths[i] - width, len(room)))
-    return bins, offset, len(room)
+from rlkit.logprobs import base_model, lean_supported, positions
 
 
 def decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):

@@ -1,0 +1,96 @@
+"""The built-in engine: the trainer's own model, sampled with a batched KV-cache loop. Prompt
+encoding, sampling (temperature, top-p) and the decode loop live here; the decoders (lean
+Llama-family path, or the model's own forward) in `rlkit.engines.decoders`."""
+from __future__ import annotations
+
+import torch
+
+from rlkit import fsdp
+from rlkit.components import Engine
+from rlkit.engines.decoders import HFForward, decoder
+from rlkit.types import Generation
+
+
+class KVCache(Engine):
+    """The trainer's own model, sampled with rlkit's batched KV-cache loop (`generate` below).
+    It generates from the very weights being trained, so its log-probs are the trainer's and
+    `load_weights` has nothing to copy. `min_new_tokens` suppresses EOS before that many tokens
+    (`+engine.min_new_tokens=N`; the benchmarks' fixed-length mode). An engine on other hardware
+    or software (vLLM, SGLang) sets `exact_logprobs = False` and copies the weights in
+    `load_weights`."""
+
+    exact_logprobs = True
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, min_new_tokens: int = 0):
+        self.policy, self.tokenizer, self.min_new_tokens = policy, tokenizer, min_new_tokens
+
+    def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0) -> Generation:
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with fsdp.full_weights(self.policy):  # a sharded policy is gathered once for the whole call
+                return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p,
+                                self.min_new_tokens)
+        finally:
+            self.policy.train(was_training)
+
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        pass  # generates from `policy` itself
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    return enc["input_ids"], enc["attention_mask"]  # [n, Tp] each
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus."""
+    if temperature == 0:
+        return logits.argmax(-1)  # [N]
+    probs = torch.softmax(logits / temperature, -1)  # [N, V]
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)  # [N, V]
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # [N, V] keep the smallest prefix with mass >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i (no sort, no cumsum)
+    return (probs / torch.empty_like(probs).exponential_().clamp_(min=1e-30)).argmax(-1)  # [N]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, min_new_tokens: int = 0, lean: bool = True) -> Generation:
+    """Sample one completion per prompt with a KV cache; each row stops at its EOS (never before
+    `min_new_tokens`) and leaves the batch soon after (once an eighth of the rows present have
+    finished). temperature 0 is greedy. `lean=False` forces the model's own forward
+    (`rlkit.engines.decoders.HFForward`) for architectures the lean decoder supports."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [N, Tp]
+    N = prompt_ids.shape[0]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    dec = (decoder if lean else HFForward)(model, prompt_ids, prompt_mask, max_new_tokens)
+    logits = dec.prefill()  # [N, V]
+    tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
+    alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]
+    done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
+    rows = torch.arange(N, device=device)  # [n] the original rows still in the batch
+    fin = torch.zeros_like(done)  # [n] finished rows still in the batch
+    T = 0
+    for t in range(max_new_tokens):
+        if t < min_new_tokens:
+            logits[:, eos] = float("-inf")
+        tok = torch.where(fin, pad, _sample(logits, temperature, top_p))  # [n]
+        tokens[rows, t], alive[rows, t] = tok, (~fin).long()
+        fin, T = fin | (tok == eos), t + 1
+        n_fin = int(fin.sum())
+        if n_fin == len(rows):
+            break
+        if n_fin and n_fin * 8 >= len(rows):  # drop the finished rows from the batch
+            done[rows[fin]] = True
+            keep = (~fin).nonzero().squeeze(-1)  # [n']
+            dec.keep(keep)
+            rows, tok, fin = rows[keep], tok[keep], fin[keep]
+        logits = dec.step(tok)  # [n, V]
+    done[rows[fin]] = True
+    return Generation(prompt_ids, prompt_mask, tokens[:, :T], alive[:, :T], ~done)

@@ -1,0 +1,100 @@
+"""The data the phases pass along, on the ground floor (no rlkit imports): what an engine returns
+(`Generation`) and a scored rollout (`Rollout`).
+
+A `Rollout` holds P prompt groups of G completions each (N = P*G rows, group i is rows
+i*G..(i+1)*G-1): left-padded prompts, right-padded completions and their masks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Generation(NamedTuple):
+    """What an engine returns for N prompts."""
+
+    prompt_ids: torch.Tensor       # [N, Tp] left-padded
+    prompt_mask: torch.Tensor      # [N, Tp]
+    completion_ids: torch.Tensor   # [N, Tc] right-padded with the pad id
+    completion_mask: torch.Tensor  # [N, Tc] 1 on completion tokens, EOS included
+    truncated: torch.Tensor        # [N] bool, no EOS within the budget
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor       # [N, Tp] left-padded
+    prompt_mask: torch.Tensor      # [N, Tp] 1 on prompt tokens
+    completion_ids: torch.Tensor   # [N, Tc] right-padded
+    completion_mask: torch.Tensor  # [N, Tc] 1 on completion tokens, EOS included
+    truncated: torch.Tensor        # [N] bool, no EOS within the budget
+    group_size: int                # G
+    rows: list = field(default_factory=list)   # N dataset rows (row i belongs to completion i)
+    texts: list = field(default_factory=list)  # N decoded completions
+    rewards: torch.Tensor | None = None        # [N]
+    shaping: torch.Tensor | None = None        # [N] reward shaping (e.g. overlong penalty), added to rewards
+    kl_penalty: torch.Tensor | None = None     # [N, Tc] beta * KL when the KL is placed in the reward
+    step_rewards: torch.Tensor | None = None   # [N, Tc] reward of the step ending at each token (process)
+    step_mask: torch.Tensor | None = None      # [N, Tc] 1 where a step ends
+    reward_parts: torch.Tensor | None = None   # [N, K] each reward function's score, before combining
+
+    def __post_init__(self):
+        if self.shaping is None and self.rewards is not None:
+            self.shaping = torch.zeros_like(self.rewards)
+
+    @property
+    def num_rows(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.prompt_ids.shape[0] // self.group_size
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)  # [N]
+
+    def select_rows(self, idx: torch.Tensor) -> "Rollout":
+        """The rows `idx` (tensors indexed, lists picked); whole groups keep group bookkeeping valid."""
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                kw[f.name] = v[idx]
+            elif isinstance(v, list) and v:
+                kw[f.name] = [v[i] for i in idx.tolist()]
+        return replace(self, **kw)
+
+    def group_rows(self, groups: torch.Tensor) -> torch.Tensor:
+        """Row indices of the given groups.  [k] -> [k*G]"""
+        return (groups[:, None] * self.group_size + torch.arange(self.group_size)).reshape(-1)
+
+    def select_groups(self, groups: torch.Tensor) -> "Rollout":
+        """Keep whole groups, by group index."""
+        return self.select_rows(self.group_rows(groups))
+
+    @staticmethod
+    def cat(parts: list["Rollout"]) -> "Rollout":
+        """Concatenate rollouts of the same group size, re-padding prompts left and completions right."""
+        if len(parts) == 1:
+            return parts[0]
+        first, kw = parts[0], {}
+        for f in fields(first):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name in ("prompt_ids", "prompt_mask"):
+                kw[f.name] = pad_cat(vals, left=True)
+            elif isinstance(vals[0], torch.Tensor) and vals[0].dim() == 2:
+                kw[f.name] = pad_cat(vals, left=False)
+            elif isinstance(vals[0], torch.Tensor):
+                kw[f.name] = torch.cat(vals)
+            elif isinstance(vals[0], list):
+                kw[f.name] = [x for v in vals for x in v]
+        return replace(first, **kw)
+
+
+def pad_cat(tensors: list[torch.Tensor], left: bool, value: int = 0) -> torch.Tensor:
+    width = max(t.shape[1] for t in tensors)
+    padded = [F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value) for t in tensors]
+    return torch.cat(padded)  # [sum N, width]
