@@ -214,7 +214,7 @@ def parse_margins(items: list[str], metrics: list[str]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlkit-compare", description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="*", type=Path, help="run or sweep directories (searched for run.json)")
     p.add_argument("--by", nargs="+", default=["algo"], help="choices (algo, advantage, ...) or config keys (loss.beta)")
@@ -237,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--x", choices=["step", "tokens", "time"], default="step",
                    help="plots' horizontal axis: RL step, generated tokens (kept or not), or wall time")
     p.add_argument("--smooth", type=int, default=1, metavar="K", help="moving average over K logged values in plots")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     if not a.paths and not a.wandb:
         p.error("give run directories or --wandb ENTITY/PROJECT")

@@ -115,28 +115,33 @@ def fmt_ci(values: list[float]) -> str:
     return fmt(*mean_ci(values)) if values else "n/a"
 
 
+def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
+    """The study file in words, with the plan fixed from the pilot."""
+    P = spec.primary
+    arms = ", ".join(f"`{a}` ({' '.join(o) or 'no overrides'})" for a, o in spec.arms.items())
+    effect = f"equal within ±{P.smallest_effect:g}" if P.direction == "equal" else \
+        f"{P.direction} by at least {P.smallest_effect:g}"
+    e = spec.engagement
+    check = "none declared" if e is None else (f"{aggregate_name(e.aggregate)} {e.metric} " + (
+        f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}") + " in each treatment arm")
+    seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
+    if plan is not None:
+        seeds += f"; planned {plan['seeds']} per arm (needed {plan['needed']}" + "".join(
+            f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}" for a, v in plan["arms"].items()) + ")"
+    return [f"- Claim: {spec.claim.strip()} ({spec.source})",
+            f"- Arms: {arms}; baseline `{spec.baseline}`; shared overrides: {' '.join(spec.config) or 'none'}",
+            f"- Primary: {aggregate_name(P.aggregate)} of {P.metric} per run; each treatment {effect} against the "
+            f"baseline; alpha {spec.alpha:g} (Holm across {treatments} treatment(s)), power {spec.power:g}",
+            "- Secondary (Holm across every line): "
+            + (", ".join(f"{aggregate_name(m.aggregate)} {m.metric}" for m in spec.secondary) or "none"),
+            f"- Engagement: {check}", f"- Seeds: {seeds}"]
+
+
 def report(spec, name: str, results: Path, records: list, plan: dict | None) -> str:
     """The README section: the declared protocol, the plan, the result table, verdicts, secondary
     lines, what was left out and where the numbers come from."""
     r, P = analyse(spec, records, plan), spec.primary
-    arms = ", ".join(f"`{a}` ({' '.join(o) or 'no overrides'})" for a, o in spec.arms.items())
-    effect = f"equal within ±{P.smallest_effect:g}" if P.direction == "equal" else \
-        f"{P.direction} by at least {P.smallest_effect:g}"
-    lines = [MARKER, "", "## Declared protocol (study.yaml)", "",
-             f"- Claim: {spec.claim.strip()} ({spec.source})",
-             f"- Arms: {arms}; baseline `{spec.baseline}`; shared overrides: {' '.join(spec.config) or 'none'}",
-             f"- Primary: {aggregate_name(P.aggregate)} of {P.metric} per run; each treatment {effect} against "
-             f"the baseline; alpha {spec.alpha:g} (Holm across {len(r['treatments'])} treatment(s)), power {spec.power:g}",
-             f"- Secondary (Holm across every line): " + (", ".join(f"{aggregate_name(m.aggregate)} {m.metric}"
-                                                                  for m in spec.secondary) or "none"),
-             f"- Engagement: " + ("none declared" if spec.engagement is None else
-                                  f"{aggregate_name(spec.engagement.aggregate)} {spec.engagement.metric} "
-                                  + (f">= {spec.engagement.at_least:g}" if spec.engagement.at_least is not None
-                                     else f"<= {spec.engagement.at_most:g}") + " in each treatment arm"),
-             f"- Seeds: pilot {spec.seeds.pilot}, cap {spec.seeds.cap}" + (
-                 "" if plan is None else f"; planned {plan['seeds']} per arm (needed {plan['needed']}"
-                 + "".join(f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}"
-                           for a, v in plan["arms"].items()) + ")"),
+    lines = [MARKER, "", "## Declared protocol (study.yaml)", "", *protocol(spec, plan, len(r["treatments"])),
              "", "## Result", "", f"| arm | runs | {aggregate_name(P.aggregate)} {P.metric} |", "|---|---|---|"]
     for arm in spec.arms:
         v = list(r["values"].get(arm, {}).values())
@@ -153,7 +158,8 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
             lines += [rob.describe(spec.baseline, arm, P.lower), ""]
     lines += ["### Engagement", "", *[f"- {e}" for e in r["engagement"]], ""]
     if r["secondary"]:
-        lines += [f"### Secondary ({len(r['secondary'])} lines, Holm-adjusted p beside each)", ""]
+        n = len(r["secondary"])
+        lines += [f"### Secondary ({n} line{'s' if n > 1 else ''}, Holm-adjusted p beside each)", ""]
         for (label, d, rob, arm, lower), p_adj in zip(r["secondary"], r["secondary_holm"]):
             extra = "" if math.isnan(p_adj) else f"; Holm-adjusted p = {p_adj:.2g}"
             lines.append(f"- {label}: {d.describe()}{extra}" + (f"; {rob.describe(spec.baseline, arm, lower)}" if rob else ""))
