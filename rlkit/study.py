@@ -113,10 +113,15 @@ def record_path(results: Path, arm: str, seed: int) -> Path:
     return results / "runs" / f"{arm}_seed{seed}.jsonl.gz"
 
 
-def record(results: Path, arm: str, seed: int, run_dir: Path, exit_code: int) -> None:
+def overrides(spec: StudySpec, arm: str) -> list[str]:
+    return [*spec.config, *spec.arms[arm]]
+
+
+def record(spec: StudySpec, results: Path, arm: str, seed: int, run_dir: Path, exit_code: int) -> None:
     """The run's metrics, config and hardware, written whole (a kill leaves no half file)."""
     meta = json.loads((run_dir / "run.json").read_text())
     head = {"arm": arm, "seed": seed, "exit": exit_code, "finished": (run_dir / "summary.json").exists(),
+            "overrides": overrides(spec, arm),
             "choices": meta["choices"], "config": meta["config"], "hardware": meta.get("hardware")}
     body = (run_dir / "metrics.jsonl").read_text()
     path = record_path(results, arm, seed)
@@ -162,8 +167,7 @@ def train(spec: StudySpec, arm: str, seed: int, run_dir: Path, signals: Signals)
     output goes to `<run_dir>.log`. A rerun of an interrupted run resumes from its checkpoint. The
     run sits in a session of its own, so a signal to the study reaches it once, through `signals`;
     if the study is killed outright, so is the run."""
-    cmd = [sys.executable, "-m", "rlkit.train", *spec.config, *spec.arms[arm], f"seed={seed}",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "rlkit.train", *overrides(spec, arm), f"seed={seed}", f"hydra.run.dir={run_dir}"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{run_dir}.log", "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
@@ -206,7 +210,7 @@ def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Pat
             print(f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
                   file=sys.stderr)
             if code in (0, 3) and (run_dir / "metrics.jsonl").exists():  # 3: stopped by non-finite updates; kept, named
-                record(results, arm, seed, run_dir, code)
+                record(spec, results, arm, seed, run_dir, code)
             elif code == EXIT_PREEMPTED or (signals.received and code < 0):  # < 0: hit before it could checkpoint
                 raise Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received or 'a signal'} during {arm} seed "
                                               f"{seed}; rerun the same command to resume")
@@ -221,7 +225,8 @@ def plan(spec: StudySpec, records: list) -> dict:
     values = per_run(records, spec.primary)
     treatments = [a for a in spec.arms if a != spec.baseline]
     alpha = spec.alpha / len(treatments)
-    out = {"pilot_seeds": spec.seeds.pilot, "cap": spec.seeds.cap, "alpha_for_planning": alpha, "arms": {}}
+    out = {"pilot_seeds": spec.seeds.pilot, "cap": spec.seeds.cap, "alpha_for_planning": alpha, "arms": {},
+           "declared": declared(spec)}
     for arm in treatments:
         pairs = [(values[spec.baseline][s], values[arm][s]) for s in values[arm] if s in values[spec.baseline]]
         d = stats.paired([a for a, _ in pairs], [b for _, b in pairs])
@@ -235,6 +240,24 @@ def plan(spec: StudySpec, records: list) -> dict:
     needed = max(a["needed"] for a in out["arms"].values())
     out.update(needed=needed, seeds=min(spec.seeds.cap, max(spec.seeds.pilot, needed)), capped=needed > spec.seeds.cap)
     return out
+
+
+def declared(spec: StudySpec) -> dict:
+    """What the plan depends on: a change to any of it after the pilot makes the plan stale."""
+    return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(
+        {"primary": spec.primary, "alpha": spec.alpha, "power": spec.power, "seeds": spec.seeds,
+         "arms": list(spec.arms), "baseline": spec.baseline}))))
+
+
+def check_recorded(spec: StudySpec, name: str, results: Path) -> None:
+    """Every recorded run was made with the overrides its arm has now; otherwise the study file
+    changed under the results, and mixing them would compare different things."""
+    for head, _ in read_records(results):
+        if head["arm"] not in spec.arms or head.get("overrides") != overrides(spec, head["arm"]):
+            raise Stopped(EXIT_BAD_INPUT, f"{name}: {head['arm']} seed {head['seed']} was recorded with overrides "
+                          f"{head.get('overrides')}, but the study file now says "
+                          f"{overrides(spec, head['arm']) if head['arm'] in spec.arms else 'no such arm'}; restore "
+                          "the study file, or move results/ away to start the study again")
 
 
 def check_logged(spec: StudySpec, records: list) -> None:
@@ -272,16 +295,20 @@ def run_all(spec: StudySpec, name: str, runs: Path, results: Path) -> None:
 
 
 def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals) -> None:
+    check_recorded(spec, name, results)
     run_seeds(spec, name, range(spec.seeds.pilot), runs, results, signals)
     check_logged(spec, read_records(results))
     plan_file = results / "plan.json"
     if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
         files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
     fixed = json.loads(plan_file.read_text())
+    if fixed.get("declared") != declared(spec):
+        raise Stopped(EXIT_BAD_INPUT, f"{name}: the primary metric, effect, alpha, power or seeds changed since the "
+                      f"plan in {plan_file} was fixed from the pilot; restore the study file, or move results/ away "
+                      "to start the study again")
     print(f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap "
           f"{fixed['cap']})", file=sys.stderr)
     run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals)
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,9 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         except Stopped as e:
             print(f"rlkit-study: {'error: ' if e.code != EXIT_PREEMPTED else ''}{e}", file=sys.stderr)
             return e.code
-    plan_file = results / "plan.json"
-    fixed = json.loads(plan_file.read_text()) if plan_file.exists() else None
-    print(write_report(spec, name, path, results, read_records(results), fixed))
+    records, plan_file = read_records(results), results / "plan.json"
+    if not records:
+        print(f"rlkit-study: error: {name}: no recorded runs in {results / 'runs'}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(write_report(spec, name, path, results, records, json.loads(plan_file.read_text()) if plan_file.exists()
+                       else None))
     return 0
 
 

@@ -165,3 +165,12 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     assert (folder / "results" / "train_reward.png").exists()
     again = subprocess.run([*cmd, "--analyse-only"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and (folder / "README.md").read_text() == readme  # recomputed by one command
+    # a study file changed under its results is refused, naming what changed; nothing is lost
+    declared = (folder / "study.yaml").read_text()
+    (folder / "study.yaml").write_text(declared.replace("smallest_effect: 0.01", "smallest_effect: 0.02"))
+    changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert changed.returncode == 2 and "changed since the plan" in changed.stderr
+    (folder / "study.yaml").write_text(declared.replace("[algo=dr_grpo]", "[algo=dr_grpo, loss.beta=0.1]"))
+    changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert changed.returncode == 2 and "dr_grpo seed 0 was recorded with overrides" in changed.stderr
+    assert len(read_records(folder / "results")) == 6 and (folder / "README.md").read_text() == readme
