@@ -174,7 +174,7 @@ def differences(groups: dict, by: list[str], metrics: list[str], baseline: str, 
     if baseline not in names:
         raise SystemExit(f"rlkit-compare: --baseline {baseline!r} is not a group; groups: {', '.join(names)}")
     base, margins = groups[names[baseline]], margins or {}
-    rows = []  # (label, Difference, robust or None, margin)
+    rows = []  # (label, Difference, Robust or None, metric, group name)
     for name, key in names.items():
         if name == baseline:
             continue

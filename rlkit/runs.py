@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ class Run:
     wall_s: float | None = None
     finished: bool = True                        # summary.json written (the run reached its last step)
     nonfinite: dict = field(default_factory=dict)  # metric -> steps where it was logged as nan or inf
+    warned: set = field(default_factory=set)     # metrics whose non-finite steps were already named
 
     @property
     def last_step(self) -> int:
@@ -45,9 +47,7 @@ def number(v) -> float | None:
 def from_rows(name: str, keys: dict, rows: list[dict], finished: bool = True, wall_s: float | None = None) -> Run:
     """A run from its metrics records (one dict per step, later records for a step replacing earlier)."""
     run = Run(name, keys, finished=finished)
-    by_step = {}
-    for row in rows:
-        by_step[row["step"]] = row
+    by_step = {row["step"]: row for row in rows}
     for step in sorted(by_step):
         for k, v in by_step[step].items():
             x = number(v)
@@ -65,8 +65,7 @@ def load_run(d: Path, name: str) -> Run:
     from rlkit.logging import flatten, read_jsonl
     meta = json.loads((d / "run.json").read_text())
     rows = read_jsonl(d / "metrics.jsonl")
-    steps = [r["step"] for r in rows]
-    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    repeated = sorted(s for s, n in Counter(r["step"] for r in rows).items() if n > 1)
     if repeated:
         warn(f"{d / 'metrics.jsonl'} has step {repeated[0]} more than once (two runs in one directory?); keeping "
              "the last")
@@ -153,7 +152,8 @@ def aggregate(run: Run, metric: str, spec: str, lower: bool = False) -> float | 
     a warning when values it logged as nan or inf were left out)."""
     kind, k = parse_aggregate(spec)
     series = run.history.get(metric, [])
-    if run.nonfinite.get(metric):
+    if run.nonfinite.get(metric) and metric not in run.warned:  # named once, at its first use
+        run.warned.add(metric)
         warn(f"run {run.name} logged {metric} as nan or inf at steps {run.nonfinite[metric]}; those steps are "
              f"left out of its {aggregate_name(spec)}" + (f" (its last finite value is from step {series[-1][0]})"
                                                        if series else ""))

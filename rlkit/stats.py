@@ -20,7 +20,7 @@ BOOTSTRAP_REPS = 2000
 @dataclass
 class Difference:
     diff: float        # mean of b - mean of a (paired: mean of the per-seed differences)
-    half_ci: float     # half-width of its (1 - alpha) confidence interval
+    se: float          # its standard error
     p: float           # two-sided p-value of "no difference"; nan when it cannot be tested
     df: float          # degrees of freedom of the t distribution
     paired: bool
@@ -31,6 +31,11 @@ class Difference:
     @property
     def zero_variance(self) -> bool:
         return self.n >= 2 and self.sd == 0
+
+    @property
+    def half_ci(self) -> float:
+        """Half-width of the (1 - alpha) confidence interval."""
+        return float(sps.t.ppf(1 - self.alpha / 2, self.df) * self.se) if self.n >= 2 else float("nan")
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -44,10 +49,10 @@ class Difference:
         """p-value of "the difference lies inside (-margin, margin)" by two one-sided t-tests."""
         if self.n < 2:
             return float("nan")
-        se = self.half_ci / sps.t.ppf(1 - self.alpha / 2, self.df) if self.sd > 0 else 0.0
-        if se == 0:
+        if self.se == 0:
             return 0.0 if abs(self.diff) < margin else 1.0
-        return float(max(sps.t.sf((self.diff + margin) / se, self.df), sps.t.cdf((self.diff - margin) / se, self.df)))
+        return float(max(sps.t.sf((self.diff + margin) / self.se, self.df),
+                         sps.t.cdf((self.diff - margin) / self.se, self.df)))
 
     def describe(self) -> str:
         """The numbers in words: `+0.100 [-0.148, +0.348], d_z = +1.00 [...], p = 0.3 (paired t, n = 3)`."""
@@ -80,7 +85,7 @@ def paired(a: list[float], b: list[float], alpha: float = 0.05) -> Difference:
     if n < 2:
         return Difference(mean, float("nan"), float("nan"), float("nan"), True, n, float("nan"), alpha)
     se, df = math.sqrt(var / n), n - 1
-    return Difference(mean, sps.t.ppf(1 - alpha / 2, df) * se, _p(mean, se, df), df, True, n, math.sqrt(var), alpha)
+    return Difference(mean, se, _p(mean, se, df), df, True, n, math.sqrt(var), alpha)
 
 
 def welch(a: list[float], b: list[float], alpha: float = 0.05) -> Difference:
@@ -92,8 +97,7 @@ def welch(a: list[float], b: list[float], alpha: float = 0.05) -> Difference:
     qa, qb = va / na, vb / nb
     se = math.sqrt(qa + qb)
     df = (qa + qb) ** 2 / (qa ** 2 / (na - 1) + qb ** 2 / (nb - 1)) if se > 0 else float(na + nb - 2)
-    return Difference(mb - ma, sps.t.ppf(1 - alpha / 2, df) * se, _p(mb - ma, se, df), df, False, min(na, nb),
-                      math.sqrt((va + vb) / 2), alpha)
+    return Difference(mb - ma, se, _p(mb - ma, se, df), df, False, min(na, nb), math.sqrt((va + vb) / 2), alpha)
 
 
 def _p(diff: float, se: float, df: float) -> float:

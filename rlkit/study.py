@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlkit import files, stats
 from rlkit.guards import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from rlkit.runs import parse_aggregate
-from rlkit.verdict import per_run, write_report
+from rlkit.verdict import per_run, runs_by_arm, write_report
 
 
 @dataclass
@@ -222,7 +222,7 @@ def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Pat
 def plan(spec: StudySpec, records: list) -> dict:
     """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
     declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
-    values = per_run(records, spec.primary)
+    values = per_run(runs_by_arm(records)[0], spec.primary)
     treatments = [a for a in spec.arms if a != spec.baseline]
     alpha = spec.alpha / len(treatments)
     out = {"pilot_seeds": spec.seeds.pilot, "cap": spec.seeds.cap, "alpha_for_planning": alpha, "arms": {},

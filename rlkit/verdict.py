@@ -28,9 +28,9 @@ def runs_by_arm(records: list) -> tuple[dict, list[str]]:
     return arms, left_out
 
 
-def per_run(records: list, m) -> dict:
-    """{arm: {seed: value}} of metric spec `m` (metric, aggregate, lower); runs without a value are absent."""
-    arms, _ = runs_by_arm(records)
+def per_run(arms: dict, m) -> dict:
+    """{arm: {seed: value}} of metric spec `m` (metric, aggregate, lower) over `runs_by_arm`'s runs;
+    runs without a value are absent."""
     return {arm: {s: v for s, r in runs.items() if (v := aggregate(r, m.metric, m.aggregate, m.lower)) is not None}
             for arm, runs in arms.items()}
 
@@ -71,12 +71,12 @@ def decide(spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped
                             f"undecided at the planned {d.n} seeds") + cost
 
 
-def engagement(spec, records: list, treatments: list[str]) -> tuple[dict, list[str]]:
+def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]]:
     """{arm: passed} and a line per arm; {} when the study declares no check."""
     e = spec.engagement
     if e is None:
         return {}, ["no engagement check declared"]
-    values, out, lines = per_run(records, e), {}, []
+    values, out, lines = per_run(arms, e), {}, []
     for arm in treatments:
         v = list(values.get(arm, {}).values())
         mean = sum(v) / len(v) if v else float("nan")
@@ -90,17 +90,18 @@ def engagement(spec, records: list, treatments: list[str]) -> tuple[dict, list[s
 def analyse(spec, records: list, plan: dict | None) -> dict:
     """Every number of the report, from the records alone."""
     treatments = [a for a in spec.arms if a != spec.baseline]
-    values = per_run(records, spec.primary)
+    arms, left_out = runs_by_arm(records)
+    values = per_run(arms, spec.primary)
     diffs = {arm: stats.paired(*pair(values, spec.baseline, arm), alpha=spec.alpha) for arm in treatments}
     equal = spec.primary.direction == "equal"  # two-sided p for a claimed direction, TOST's p for a claimed equality
     raw = [d.tost(spec.primary.smallest_effect) if equal else d.p for d in diffs.values()]
     adjusted = stats.holm(raw)
-    engaged, engagement_lines = engagement(spec, records, treatments)
+    engaged, engagement_lines = engagement(spec, arms, treatments)
     capped = bool(plan and plan.get("capped"))
     verdicts = {arm: decide(spec, diffs[arm], p, engaged.get(arm), capped) for arm, p in zip(treatments, adjusted)}
     secondary = []
     for m in spec.secondary:
-        vals = per_run(records, m)
+        vals = per_run(arms, m)
         for arm in treatments:
             a, b = pair(vals, spec.baseline, arm)
             secondary.append((f"{aggregate_name(m.aggregate)} {m.metric}: {arm} - {spec.baseline}",
@@ -108,7 +109,7 @@ def analyse(spec, records: list, plan: dict | None) -> dict:
     return {"treatments": treatments, "values": values, "diffs": diffs, "p_raw": dict(zip(treatments, raw)),
             "p_adjusted": dict(zip(treatments, adjusted)), "verdicts": verdicts, "engagement": engagement_lines,
             "secondary": secondary, "secondary_holm": stats.holm([d.p for _, d, *_ in secondary]),
-            "left_out": runs_by_arm(records)[1]}
+            "left_out": left_out, "arms": arms}
 
 
 def fmt_ci(values: list[float]) -> str:
@@ -172,13 +173,12 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
     lines += ["### Where the numbers come from", "",
               f"{len(records)} runs, raw metrics in `results/runs/` (one gzipped JSON-lines file per run), on "
               f"{'; '.join(cpus)}. Every number above: `rlkit-study {name} --analyse-only`.", ""]
-    if plot_primary(spec, records, results):
+    if plot_primary(spec, r["arms"], results):
         lines += [f"![{P.metric}](results/{P.metric.replace('/', '_')}.png)", ""]
     return "\n".join(lines)
 
 
-def plot_primary(spec, records: list, results: Path) -> bool:
-    arms, _ = runs_by_arm(records)
+def plot_primary(spec, arms: dict, results: Path) -> bool:
     groups = {(arm,): list(arms[arm].values()) for arm in spec.arms if arms.get(arm)}
     png = results / (spec.primary.metric.replace("/", "_") + ".png")
     return bool(groups) and plot(groups, ["arm"], spec.primary.metric, png)
