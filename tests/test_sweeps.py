@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import wandb
 from hydra import compose, initialize_config_module
 from matplotlib.image import imread
 
@@ -52,6 +53,7 @@ def test_offline_wandb_run_holds_config_history_and_samples(tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = make_cfg(["logger=wandb", "steps=3", "samples_every=2", "logger.group=study"], cache_dir=str(tmp_path / "c"))
     run(cfg, str(tmp_path), {"choices": {"algo": "grpo", "advantage": "grpo"}})
+    wandb.teardown()  # wandb's service closes the .wandb file up to ~0.1 s after run.finish(); wait for it
     [data] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     records = read_records(data)
     updates = [r.run.config.update if r.HasField("run") else r.config.update for r in records
