@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench_vs_trl import SIZES, rlkit_state
-from rlkit.train import collect, prepare, update
+from rlkit.loop import collect, learn
 
 SIZES = {**SIZES, "50m": ["model.hidden_size=512", "model.num_layers=12", "model.num_heads=8",
                           "model.num_kv_heads=4", "model.intermediate_size=2048"]}
@@ -35,14 +35,14 @@ def measure(size: str, group: int, budget: int, prompts: int, steps: int, natura
                             os.path.join(tmp, "run"), prompts, group, budget, fixed=not natural)
         times, splits, tokens = [], [], []
         for _ in range(steps + 1):  # the first step is a warm-up
-            state.timer.clear()
+            state.runtime.timer.clear()
             t0 = time.perf_counter()
-            rollout, _ = collect(state)
-            update(state, prepare(state, rollout))
+            rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
+            learn(state, rollout)
             times.append(time.perf_counter() - t0)
-            splits.append(dict(state.timer))
+            splits.append(dict(state.runtime.timer))
             tokens.append(int(rollout.completion_mask.sum()))
-        params = sum(p.numel() for p in state.policy.parameters())
+        params = sum(p.numel() for p in state.parts.policy.parameters())
     step = statistics.median(times[1:])
     split = {k: statistics.median(s.get(k, 0.0) for s in splits[1:]) / step for k in PHASES}
     return {"size": size, "params": params, "G": group, "budget": budget, "rows": prompts * group,

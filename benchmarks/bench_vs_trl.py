@@ -35,11 +35,11 @@ from datasets import Dataset
 from hydra import compose, initialize_config_module
 
 from rlkit.guards import StopSignals, checked_advantages
-from rlkit import distributed
+from rlkit import parallel
 from rlkit.logprobs import rollout_logprobs
 from rlkit.types import Rollout
 from rlkit.setup import setup
-from rlkit.train import Timer, collect, prepare, update
+from rlkit.loop import collect, learn
 
 SIZES = {  # the testbed's Qwen2 at two sizes
     "1m": ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
@@ -57,8 +57,7 @@ def rlkit_state(overrides: list[str], run_dir: str, prompts: int, group: int, ma
               f"rollout.max_new_tokens={max_new}", *([f"+engine.min_new_tokens={max_new}"] if fixed else [])]
     with initialize_config_module(config_module="rlkit.conf", version_base=None):
         cfg = compose(config_name="config", overrides=[*shared, *overrides])
-    state = setup(cfg, run_dir, {}, StopSignals())
-    state.timer = Timer()
+    state = setup(cfg, run_dir, {}, stop=StopSignals())
     return state
 
 
@@ -67,9 +66,9 @@ def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
     from trl import GRPOConfig, GRPOTrainer
 
     c = state.cfg
-    state.policy.save_pretrained(model_dir)
-    state.tokenizer.save_pretrained(model_dir)
-    task = state.task
+    state.parts.policy.save_pretrained(model_dir)
+    state.parts.tokenizer.save_pretrained(model_dir)
+    task = state.parts.task
 
     def reward(prompts, completions, answer, **_):
         return [float(task.reward({"prompt": p, "answer": a}, x)) for p, x, a in zip(prompts, completions, answer)]
@@ -81,15 +80,15 @@ def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
         epsilon=c.loss.eps_low, epsilon_high=c.loss.eps_high, loss_type="grpo", scale_rewards="group",
         learning_rate=c.optim.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=c.optim.weight_decay,
         adam_beta1=c.optim.beta1, adam_beta2=c.optim.beta2, optim="adamw_torch", max_grad_norm=c.optim.max_grad_norm,
-        temperature=c.rollout.temperature, top_p=c.rollout.top_p, top_k=0, use_cpu=state.device.type == "cpu",
+        temperature=c.rollout.temperature, top_p=c.rollout.top_p, top_k=0, use_cpu=state.runtime.device.type == "cpu",
         bf16=False, report_to=[], logging_steps=10**6, save_strategy="no", max_steps=rounds, seed=c.seed,
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
         use_bias_correction_kl=False,  # TRL's default multiplies the KL by the ratio (DeepSeek-V3.2); GRPO's does not
         generation_kwargs={"min_new_tokens": c.rollout.max_new_tokens} if fixed else None)
     data = Dataset.from_dict({"prompt": list(task.train["prompt"]), "answer": [str(a) for a in task.train["answer"]]})
-    model = type(state.policy).from_pretrained(model_dir).to(state.device)
+    model = type(state.parts.policy).from_pretrained(model_dir).to(state.runtime.device)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=state.tokenizer)
+                          processing_class=state.parts.tokenizer)
     trainer.current_gradient_accumulation_steps = 1  # set by its training loop; `equal_maths` runs before it
     return trainer
 
@@ -115,7 +114,7 @@ def equal_maths(state, trainer) -> dict:
     """Largest absolute differences between rlkit and TRL on TRL's own rollout of one batch, both
     scored by `length_reward`."""
     policy, task_reward = trainer.model, trainer.reward_funcs[0]
-    perturb([policy, state.policy], seed=1234)
+    perturb([policy, state.parts.policy], seed=1234)
     batch = next(iter(trainer.get_train_dataloader()))
     policy.train()
     trainer.reward_funcs[0] = length_reward
@@ -125,29 +124,29 @@ def equal_maths(state, trainer) -> dict:
         trainer.reward_funcs[0] = task_reward
     pid, pmask, cid, cmask = (inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
     rows = [{"prompt": b["prompt"], "answer": b["answer"]} for b in batch]
-    texts = state.tokenizer.batch_decode(cid, skip_special_tokens=True)
-    rewards = torch.tensor(length_reward([row["prompt"] for row in rows], texts), device=state.device)  # [N]
+    texts = state.parts.tokenizer.batch_decode(cid, skip_special_tokens=True)
+    rewards = torch.tensor(length_reward([row["prompt"] for row in rows], texts), device=state.runtime.device)  # [N]
     r = Rollout(pid, pmask, cid, cmask, cmask.sum(-1) == cid.shape[1], state.cfg.rollout.group_size, rows, texts,
                 rewards)
-    adv, _ = checked_advantages(state.advantage, r, None)  # [N, Tc]
+    adv, _ = checked_advantages(state.parts.advantage, r, None)  # [N, Tc]
     with torch.no_grad():
-        ref = rollout_logprobs(state.ref, r, state.cfg.rollout.temperature)[0]  # [N, Tc]
-    state.policy.train()
-    logp, entropy = rollout_logprobs(state.policy, r, state.cfg.rollout.temperature, "metric")  # [N, Tc]
-    mask = state.loss.train_mask(r)  # [N, Tc]
-    L, _ = state.loss(logp, logp.detach(), adv, mask, ref, entropy)  # [N, Tc]
-    ours = (L * distributed.global_weights(state.aggregator, mask)).sum()
+        ref = rollout_logprobs(state.parts.ref, r, state.cfg.rollout.temperature)[0]  # [N, Tc]
+    state.parts.policy.train()
+    logp, entropy = rollout_logprobs(state.parts.policy, r, state.cfg.rollout.temperature, "metric")  # [N, Tc]
+    mask = state.parts.loss.train_mask(r)  # [N, Tc]
+    L, _ = state.parts.loss(logp, logp.detach(), adv, mask, ref, entropy)  # [N, Tc]
+    ours = (L * parallel.global_weights(state.parts.aggregator, mask)).sum()
     ours.backward()
     theirs = trainer.compute_loss(policy, inputs)
     theirs.backward()
     on = cmask.bool()
-    grads = [(p.grad, q.grad) for p, q in zip(state.policy.parameters(), policy.parameters())]
+    grads = [(p.grad, q.grad) for p, q in zip(state.parts.policy.parameters(), policy.parameters())]
     out = {"advantage": float((adv[:, 0] - inputs["advantages"]).abs().max()),
            "reference logp": float((ref - inputs["ref_per_token_logps"])[on].abs().max()),
            "loss": abs(float(ours.detach()) - float(theirs.detach())),
            "gradient": max(float((a - b).abs().max()) for a, b in grads),
            "rows": len(rows), "mean length": float(cmask.sum(-1).float().mean())}
-    state.policy.zero_grad(set_to_none=True)
+    state.parts.policy.zero_grad(set_to_none=True)
     policy.zero_grad(set_to_none=True)
     return out
 
@@ -218,20 +217,19 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
     with tempfile.TemporaryDirectory() as tmp:
         state = rlkit_state([*SIZES.get(size, []), *extra], os.path.join(tmp, "rlkit"), prompts, group, max_new, fixed)
         trainer = trl_trainer(state, os.path.join(tmp, "model"), os.path.join(tmp, "trl"), rounds, fixed)
-        params = sum(p.numel() for p in state.policy.parameters())
+        params = sum(p.numel() for p in state.parts.policy.parameters())
         check = equal_maths(state, trainer)
         ours, theirs = Side(), Side()
         phases = instrument(trainer)
 
         def rlkit_step():
-            state.timer.clear()
-            with peak_memory(state.device, ours.peaks):
+            state.runtime.timer.clear()
+            with peak_memory(state.runtime.device, ours.peaks):
                 t0 = time.perf_counter()
-                rollout, _ = collect(state)
-                batch = prepare(state, rollout)
-                update(state, batch)
+                rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
+                learn(state, rollout)
                 ours.steps.append(time.perf_counter() - t0)
-            ours.phases.append(dict(state.timer))
+            ours.phases.append(dict(state.runtime.timer))
             ours.tokens.append(float(rollout.completion_mask.sum()))
 
         class Alternate(TrainerCallback):
@@ -240,7 +238,7 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
             def on_step_begin(self, args, tstate, control, **kw):
                 phases.clear()
                 self.t0 = time.perf_counter()
-                self.mem = peak_memory(state.device, theirs.peaks)
+                self.mem = peak_memory(state.runtime.device, theirs.peaks)
                 self.mem.__enter__()
 
             def on_step_end(self, args, tstate, control, **kw):

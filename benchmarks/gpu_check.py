@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_module
 
 import rlkit.config  # noqa: F401  (registers the config schema)
 from rlkit.setup import setup
-from rlkit.train import Timer, collect, prepare, update
+from rlkit.loop import collect, learn
 
 
 def check(overrides: list[str], steps: int, peak_tflops: float, device: str) -> dict:
@@ -27,23 +27,21 @@ def check(overrides: list[str], steps: int, peak_tflops: float, device: str) -> 
         cfg = compose("config", overrides=[f"device={device}", "logger=jsonl", *overrides])
     with tempfile.TemporaryDirectory() as run_dir:
         state = setup(cfg, run_dir, {})
-        state.timer = Timer()
-        params = sum(p.numel() for p in state.policy.parameters())
+        params = sum(p.numel() for p in state.parts.policy.parameters())
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         gen_tokens = train_tokens = gen_s = update_s = 0.0
         for step in range(steps + 1):  # the first step warms up kernels and is not counted
-            state.timer.clear()
-            rollout, _ = collect(state)
-            batch = prepare(state, rollout)
-            update(state, batch)
+            state.runtime.timer.clear()
+            rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
+            learn(state, rollout)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             if step:
                 gen_tokens += float(rollout.completion_mask.sum())
                 train_tokens += float(rollout.completion_mask.sum() + rollout.prompt_mask.sum())
-                gen_s += state.timer["generate"]
-                update_s += state.timer["update"] + state.timer.get("logprob", 0.0)
+                gen_s += state.runtime.timer["generate"]
+                update_s += state.runtime.timer["update"] + state.runtime.timer.get("logprob", 0.0)
     flops = 2 * params * gen_tokens + 6 * params * train_tokens
     out = {"parameters (M)": params / 1e6, "rollout tokens/s": gen_tokens / gen_s,
            "update tokens/s": train_tokens / update_s}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit import distributed
+from rlkit import parallel
 from rlkit.components import AdvantageEstimator
 from rlkit.types import Rollout
 
@@ -58,7 +58,7 @@ class GRPO(AdvantageEstimator):
         rewards = grouped(r)  # [P, G]
         diff, flat = centred(rewards)  # [P, G]
         if self.batch_std:
-            std = distributed.mean_std(rewards.reshape(-1), self.unbiased)[1]  # [] over every rank's rewards
+            std = parallel.mean_std(rewards.reshape(-1), self.unbiased)[1]  # [] over every rank's rewards
         else:
             std = rewards.std(1, unbiased=self.unbiased, keepdim=True)  # [P, 1]
         adv = torch.where(flat, diff, diff / (std + self.eps))  # [P, G]
@@ -87,7 +87,7 @@ class RLOO(AdvantageEstimator):
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the masked entries of every rank; std 1 with fewer than two entries."""
     m = mask.bool()
-    mean, std, n = distributed.mean_std(x[m])
+    mean, std, n = parallel.mean_std(x[m])
     return torch.where(m, (x - mean) / ((std if n > 1 else 1.0) + eps), torch.zeros_like(x))  # [N, Tc]
 
 

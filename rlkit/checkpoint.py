@@ -2,21 +2,30 @@
 the policy and tokenizer in Hugging Face format plus `trainer_state.pt`, and last a manifest with
 every file's SHA-256 that resume checks, so a damaged checkpoint is named and skipped. Loading
 runs no code from the run directory: the trainer state holds tensors and plain Python data only
-and is read with `weights_only=True`; anything else in it is refused with the file's name."""
+and is read with `weights_only=True`; anything else in it is refused with the file's name.
+`save_run` and `resume` write and restore a whole run (every process's part); `set_aside` moves
+an earlier run's files away when a run starts over in the same directory."""
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from rlkit import parallel
+from rlkit.components import ConfigError
+from rlkit.config import resolved
 from rlkit.files import staged
+from rlkit.guards import NonFiniteError, all_finite, check_resume
+from rlkit.state import Progress, Run
 
 STATE, MANIFEST = "trainer_state.pt", "manifest.json"
 # what checkpoints written before the RNG states were stored as plain data need, and nothing more
@@ -116,3 +125,75 @@ def load_state(path: Path) -> dict:
         raise UnsafeCheckpoint(f"{path / STATE} holds objects other than tensors and plain data, which rlkit "
                                f"never writes; refusing to load it (it could run code). {str(e).splitlines()[0]}") \
             from None
+
+
+# ---- a run's checkpoints: save every process's part, resume, or set an earlier run aside ----------------------
+
+HYDRA_FILES = {".hydra", "train.log", ".rlkit.lock"}  # what Hydra and the lock write for every run
+PREVIOUS = "previous_runs"
+
+
+def save_run(run: Run, step: int) -> Path:
+    """The checkpoint of `run` after `step` (every process takes part; rank 0 writes it)."""
+    parts, rt = run.parts, run.runtime
+    if parallel.any_rank(not all_finite(parts.policy)):  # never write a non-finite state over a good checkpoint
+        raise NonFiniteError(f"the policy has non-finite weights at step {step}; checkpoint not written")
+    rng_ranks = parallel.gather(rng_state())  # every rank's, so each resumes its own
+    weights, optimizer = rt.parallel.policy_state(parts.policy, parts.optimizer)
+    if rt.rank:
+        return Path(rt.run_dir) / "checkpoints" / f"step_{step:06d}"
+    models = {"policy": lambda path: parts.policy.save_pretrained(path, state_dict=weights)}
+    extra = {}
+    if parts.critic is not None:
+        models["critic"] = parts.critic.save
+        extra["critic_optimizer"] = parts.critic.state_dict()
+    p = run.progress
+    return save(rt.run_dir, step, models, parts.tokenizer,
+                {"optimizer": optimizer, "schedule": parts.schedule.state_dict(), **extra,
+                 "sampler": parts.sampler.state_dict(), "first_eval": p.first_eval, "last_eval": p.last_eval,
+                 "run_id": rt.logger.run_id, "config": resolved(run.cfg), "wall_s": run.wall_s()},
+                keep=run.cfg.checkpoint.keep, rng_ranks=rng_ranks)
+
+
+def resume(run: Run) -> None:
+    """Load the run directory's last checkpoint into `run` (weights, optimizers, sampler position,
+    RNG, progress); nothing when there is none."""
+    parts, run_dir = run.parts, run.runtime.run_dir
+    last = latest(run_dir)
+    if last is None:
+        if any((Path(run_dir) / "checkpoints").glob("step_*")):
+            raise ConfigError(f"no intact checkpoint in {run_dir}/checkpoints (see above); "
+                              "use checkpoint.resume=false to start over")
+        return
+    try:
+        state = load_state(last)
+    except UnsafeCheckpoint as e:
+        raise ConfigError(str(e)) from None
+    check_resume(state.get("config"), resolved(run.cfg), last)
+    run.runtime.parallel.load_policy(parts.model, parts.policy, parts.optimizer, last / "policy", state["optimizer"])
+    parts.schedule.load_state_dict(state["schedule"])
+    if parts.critic is not None:
+        parts.critic.load(last / "critic")
+        parts.critic.load_state_dict(state["critic_optimizer"])
+    parts.sampler.load_state_dict(state["sampler"])
+    set_rng_state(state["rng_ranks"][run.runtime.rank % len(state["rng_ranks"])])
+    run.progress = Progress(state["step"], state.get("first_eval") or {}, state.get("last_eval") or {},
+                            state.get("wall_s", 0.0), state["step"] >= run.cfg.steps, state.get("run_id"))
+    print(f"rlkit: resuming from {last} (step {state['step']})", file=sys.stderr)
+
+
+def set_aside(run_dir: str) -> Path | None:
+    """Starting over (`checkpoint.resume=false`) in a directory that holds an earlier run: its files
+    (checkpoints, metrics, summary, wandb) move to `previous_runs/<time>/`, so nothing of it mixes
+    with the new run and nothing is deleted."""
+    old = [p for p in Path(run_dir).iterdir() if p.name not in HYDRA_FILES | {PREVIOUS}]
+    if not old:
+        return None
+    dest = Path(run_dir, PREVIOUS, time.strftime("%Y%m%d-%H%M%S"))
+    dest = next(d for d in (dest.with_name(f"{dest.name}{'' if i == 0 else f'_{i}'}") for i in range(1000))
+                if not d.exists())
+    dest.mkdir(parents=True)
+    for p in old:
+        os.replace(p, dest / p.name)
+    print(f"rlkit: checkpoint.resume=false: the earlier run's files in {run_dir} moved to {dest}", file=sys.stderr)
+    return dest

@@ -43,7 +43,7 @@ class Sampler(Protocol):
 
     min_group_size: int = 1
     data_parallel: bool = True       # its choices can be made on each rank's share alone (torchrun)
-    even_shares: bool = True         # every rank always trains on as many rows as the others (fsdp needs it)
+    even_shares: bool = True         # every rank always trains on as many rows as the others (a sharded model needs it)
 
     def sample(self, make_rollout: Callable[[list[dict]], Rollout]) -> tuple[Rollout, dict]: ...
     def state_dict(self) -> dict: ...

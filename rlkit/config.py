@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -14,8 +13,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.components import (AdvantageEstimator, Aggregator, ConfigError, Critic, Engine, PolicyLoss,  # noqa: F401
-                              RewardFunction, Sampler, check)
+from rlkit.components import ConfigError  # noqa: F401  (raised by the checks; imported from here by users)
 from rlkit.tasks.base import TaskError
 
 
@@ -93,7 +91,8 @@ class RLKitConfig:
     seed: int = 0                    # seed of the RL run
     steps: int = 200                 # RL steps
     device: str = "cpu"              # torch device
-    fsdp: bool = False               # with several processes, shard policy and reference (FSDP2) instead of copying them
+    parallel: str = "replicate"       # with several processes: replicate (each holds the whole model) | shard (each
+                                     # holds 1/K of the policy's and reference's weights, gradients and optimizer state)
     threads: int = 0                 # torch CPU threads; 0 = torch's default (in a parallel sweep: cores / jobs)
     portable: bool = False           # pin ATen, MKL and oneDNN CPU kernels to AVX2, so x86 machines with AVX2 or
                                      # AVX-512 run the same kernels; give it on the command line (set before torch starts)
@@ -191,8 +190,8 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: DictConfig, world: int = 1) -> None:
-    """Every check that needs no model: runs before anything expensive. `world`: processes (torchrun)."""
+def check_values(cfg: DictConfig) -> None:
+    """The config's own numbers and choices, before any component is built."""
     r, op = cfg.rollout, cfg.optim
     _check(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
     _check(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
@@ -209,8 +208,14 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _check(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
     _check(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
     _check(op.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0, got {op.micro_batch_tokens}")
-    _check(0 <= cfg.reward.overlong_cache <= r.max_new_tokens,
-           f"reward.overlong_cache must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {cfg.reward.overlong_cache}")
+    check_run_values(cfg)
+
+
+def check_run_values(cfg: DictConfig) -> None:
+    """Rewards, warm start, evaluation, logging and checkpoints."""
+    _check(0 <= cfg.reward.overlong_cache <= cfg.rollout.max_new_tokens,
+           f"reward.overlong_cache must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], "
+           f"got {cfg.reward.overlong_cache}")
     _check(cfg.reward.combine in ("sum", "normalise"),
            f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}")
     _check(cfg.reward.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {cfg.reward.timeout_s}")
@@ -218,44 +223,11 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _check(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
     _check(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
     _check(cfg.eval.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {cfg.eval.samples}")
+    _check(not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
+           f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}")
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:
         _check(cfg[g] is not None, f"no option chosen for group '{g}'")
-    for g, kind in (("advantage", AdvantageEstimator), ("sampler", Sampler)):  # they declare `min_group_size`
-        cls = target_class(cfg, g)
-        check(cls, kind, g)
-        _check(r.group_size >= cls.min_group_size,
-               f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {r.group_size}")
-    advantage = build(cfg, "advantage")  # built: whether it runs data-parallel may depend on its options
-    for g, component in (("advantage", advantage), ("sampler", target_class(cfg, "sampler"))):
-        _check(world == 1 or component.data_parallel, f"{g}={cfg[g]._target_} does not run data-parallel yet; "
-                                                      "use one process")
-    _check(r.prompts_per_step % world == 0,
-           f"rollout.prompts_per_step={r.prompts_per_step} must divide among {world} processes")
-    gen_size = math.ceil(r.prompts_per_step * cfg.sampler.get("oversample", 1.0))
-    _check(gen_size % world == 0, f"rollout.prompts_per_step x sampler.oversample = {gen_size} prompts per generation "
-                                  f"batch must divide among {world} processes")
-    if cfg.fsdp:
-        _check(world > 1, "fsdp=true shards over several processes: start them with torchrun or srun")
-        _check(not advantage.needs_critic, "fsdp=true does not shard a critic yet: use a group estimator")
-        _check(not cfg.model.get("lora_r", 0), "fsdp=true with LoRA is not supported yet: use model.lora_r=0")
-        _check(target_class(cfg, "sampler").even_shares and not cfg.optim.micro_batch_tokens,
-               "fsdp=true needs as many micro-batches on every process: a sampler with even shares (not "
-               "sampler=dapo) and optim.micro_batch_tokens=0")
-    check(target_class(cfg, "engine"), Engine, "engine")
-    if advantage.needs_critic:
-        _check(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")
-        check(target_class(cfg, "critic"), Critic, "critic")
-    check(build(cfg, "aggregator"), Aggregator, "aggregator")
-    check(build(cfg, "loss"), PolicyLoss, "loss")
-    for name in cfg.reward.functions:
-        fn = build(cfg, f"reward.functions.{name}")
-        check(fn, RewardFunction, f"reward.functions.{name}")
-        weight = fn.weight
-        _check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
-               f"reward.functions.{name}.weight must be a finite number, got {weight!r}")
-    _check(not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
-           f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}")
 
 
 def resolved(cfg: DictConfig) -> dict:

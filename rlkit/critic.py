@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForTokenClassification
 
-from rlkit import distributed
+from rlkit import parallel
 from rlkit.components import Critic
 from rlkit.logprobs import trimmed_inputs
 from rlkit.types import Rollout
@@ -64,12 +64,12 @@ class ValueModel(Critic):
         self.optimizer.zero_grad(set_to_none=True)
         values = token_values(self.model, rollout)  # [n, Tc]
         vl = value_loss(values, old_values, returns, self.value_clip)  # [n, Tc]
-        vl = (vl * mask).sum() / distributed.total(mask.sum()).clamp(min=1)  # mean over every rank's tokens
+        vl = (vl * mask).sum() / parallel.total(mask.sum()).clamp(min=1)  # mean over every rank's tokens
         vl.backward()
-        distributed.sum_gradients(self.model.parameters())
+        parallel.sum_gradients(self.model.parameters())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
-        return float(distributed.total(vl.detach()))
+        return float(parallel.total(vl.detach()))
 
     def save(self, path) -> None:
         self.model.save_pretrained(path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit import fsdp
+from rlkit import parallel
 
 from rlkit.config import ConfigError
 
@@ -95,8 +95,8 @@ def finite(*xs) -> bool:
 
 
 def all_finite(model: torch.nn.Module) -> bool:
-    """Whether this process's parameters (its shards, under fsdp) are all finite."""
-    return all(bool(torch.isfinite(fsdp.local(p)).all()) for p in model.parameters())
+    """Whether this process's parameters (its shards, when sharded) are all finite."""
+    return all(bool(torch.isfinite(parallel.local(p)).all()) for p in model.parameters())
 
 
 def check_writable(path: str | Path, key: str) -> None:
@@ -174,7 +174,7 @@ def check_context(tokenizer, model, splits: dict, max_new_tokens: int, key: str)
 
 
 RESUME_KEYS = ("seed", "advantage", "aggregator", "sampler", "task", "model", "rollout", "loss", "reward", "optim",
-               "warm_start", "fsdp")  # fsdp: its optimizer state is keyed by parameter name, not by position
+               "warm_start", "parallel")  # a sharded optimizer state is keyed by parameter name, not by position
 
 
 def _training_key(cfg: dict, key: str):

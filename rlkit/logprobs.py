@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
-from rlkit.fsdp import is_sharded
+from rlkit.parallel import is_sharded
 from rlkit.models import AdaptersOff
 from rlkit.types import Rollout
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from datasets import Dataset
 
-from rlkit import distributed
+from rlkit import parallel
 from rlkit.components import Sampler
 from rlkit.types import Rollout
 
@@ -53,10 +53,10 @@ def first_informative(r: Rollout, k: int) -> tuple[torch.Tensor, int]:
     """This rank's groups among the first k informative groups of the whole batch (every rank's
     groups in rank order, as one process sees them), and how many were kept over all ranks.
     -> [<= k] local group indices, count"""
-    shares = distributed.gather((r.num_groups, informative_groups(r).tolist()))  # per rank
+    shares = parallel.gather((r.num_groups, informative_groups(r).tolist()))  # per rank
     starts = [sum(n for n, _ in shares[:i]) for i in range(len(shares))]
     chosen = [start + g for start, (_, groups) in zip(starts, shares) for g in groups][:k]  # global indices
-    mine = starts[distributed.rank()]
+    mine = starts[parallel.rank()]
     local = [g - mine for g in chosen if mine <= g < mine + r.num_groups]
     return torch.tensor(local, dtype=torch.long), len(chosen)
 

@@ -7,19 +7,18 @@ import torch
 def update_on(state, rollout):
     """The sampler's choice of groups from `rollout` (this rank's share of a generation batch), then
     prepare and update, as the loop runs them.  -> update stats, kept groups over all ranks"""
-    from rlkit.train import prepare, update
+    from rlkit.loop import learn
 
-    kept, metrics = state.sampler.sample(lambda rows: rollout)
-    return update(state, prepare(state, kept)), metrics.get("sampler/kept_groups")
+    kept, metrics = state.parts.sampler.sample(lambda rows: rollout)
+    return learn(state, kept)[1], metrics.get("sampler/kept_groups")
 
 
 def snapshot(state, stats) -> dict:
     """Policy parameters, the critic's last gradient (Adam's step would turn float noise in a
     near-zero gradient into a full step) and gradient norms after an update."""
-    from rlkit import fsdp
-
-    critic = state.critic.model.named_parameters() if state.critic is not None else []
-    params = fsdp.model_state(state.policy) if fsdp.is_sharded(state.policy) else state.policy.state_dict()
+    critic = state.parts.critic.model.named_parameters() if state.parts.critic is not None else []
+    full = state.runtime.parallel.policy_state(state.parts.policy, state.parts.optimizer)[0]  # None: not sharded
+    params = full if full is not None else state.parts.policy.state_dict()
     return {"params": {k: v.detach().clone() for k, v in params.items()},
             "critic": {k: v.grad.clone() for k, v in critic if v.grad is not None},
             "grad_norms": stats.grad_norms, "value_losses": stats.value_losses, "losses": stats.losses}
@@ -29,13 +28,12 @@ def update_on_shard(rank: int, world: int, port: int, overrides: list, cache: st
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from conftest import make_cfg
-    from rlkit import distributed
-    from rlkit.setup import setup
-    from rlkit.train import Timer
+    from rlkit import parallel
+    from rlkit.setup import setup, validate
 
-    distributed.init("cpu")
-    state = setup(make_cfg(overrides, cache_dir=cache), os.path.join(out, f"rank{rank}"), {}, rank=rank, world=world)
-    state.timer = Timer()
+    parallel.init("cpu")
+    cfg = make_cfg(overrides, cache_dir=cache)
+    state = setup(cfg, os.path.join(out, f"rank{rank}"), {}, validate(cfg, world, rank))
     rollout = torch.load(rollout_path, weights_only=False)
     per_rank = rollout.num_groups // world
     mine = rollout.select_groups(torch.arange(rank * per_rank, (rank + 1) * per_rank))

@@ -8,31 +8,30 @@ import torch
 import helpers
 from helpers import write_plugin
 from conftest import make_cfg
-from rlkit.config import ConfigError, validate
-from rlkit.setup import setup
-from rlkit.train import Timer, collect, prepare, run, update
+from rlkit.config import ConfigError
+from rlkit.loop import collect, learn, run
+from rlkit.setup import setup, validate
 from test_variants import cli
 
 
 def prepared(cfg, tmp_path):
     state = setup(cfg, str(tmp_path), {})
-    state.timer = Timer()
-    rollout, _ = collect(state)
-    return state, prepare(state, rollout)
+    rollout, _ = collect(state.parts, state.runtime, cfg.rollout, cfg.reward)
+    return state, rollout
 
 
 def test_an_engine_with_its_own_numbers_gets_old_logprobs_recomputed_and_weights_synced(tmp_path):
     cfg = make_cfg(["loss.beta=0", "++engine._target_=helpers.RemoteLikeEngine", "checkpoint.every=0"],
                    cache_dir=str(tmp_path / "cache"))
-    state, batch = prepared(cfg, tmp_path / "a")
+    state, rollout = prepared(cfg, tmp_path / "a")
+    before, synced = helpers.RemoteLikeEngine.syncs, state.parts.engine.model.model.embed_tokens.weight.clone()
+    batch, _ = learn(state, rollout)
     assert batch.old_logp is not None and batch.old_logp.shape == batch.adv.shape
-    before, synced = helpers.RemoteLikeEngine.syncs, state.engine.model.model.embed_tokens.weight.clone()
-    update(state, batch)
     assert helpers.RemoteLikeEngine.syncs == before + 1
-    assert torch.equal(state.engine.model.model.embed_tokens.weight, state.policy.model.embed_tokens.weight)
-    assert not torch.equal(synced, state.policy.model.embed_tokens.weight)  # the update moved the weights
-    own, own_batch = prepared(make_cfg(["loss.beta=0"], cache_dir=str(tmp_path / "cache")), tmp_path / "b")
-    assert own_batch.old_logp is None  # the trainer's own engine: old log-probs come free from the update
+    assert torch.equal(state.parts.engine.model.model.embed_tokens.weight, state.parts.policy.model.embed_tokens.weight)
+    assert not torch.equal(synced, state.parts.policy.model.embed_tokens.weight)  # the update moved the weights
+    own, own_rollout = prepared(make_cfg(["loss.beta=0"], cache_dir=str(tmp_path / "cache")), tmp_path / "b")
+    assert learn(own, own_rollout)[0].old_logp is None  # the trainer's own engine: old log-probs come free from the update
 
 
 def test_a_run_generates_only_through_its_engine(tmp_path):

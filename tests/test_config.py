@@ -6,7 +6,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from rlkit.config import ConfigError, validate
+from rlkit.config import ConfigError
+from rlkit.setup import validate
 from rlkit.train import run
 from conftest import make_cfg
 

@@ -14,10 +14,10 @@ import torch.multiprocessing as mp
 
 from conftest import FAST, make_cfg
 from ddp_worker import snapshot, update_on, update_on_shard
-from rlkit import distributed
-from rlkit.config import ConfigError, validate
-from rlkit.setup import setup
-from rlkit.train import Timer, make_rollout
+from rlkit import parallel
+from rlkit.config import ConfigError
+from rlkit.loop import make_rollout
+from rlkit.setup import setup, validate
 
 
 def free_port() -> int:
@@ -34,17 +34,17 @@ PARALLEL_CASES = {
                          "rollout.prompts_per_step=2"],
     "batch_std": ["advantage.std_scope=batch"],
     "gae_whitening_and_critic": ["algo=ppo", "optim.epochs=1", "optim.mini_batches=1"],
-    "fsdp": ["fsdp=true", "optim.micro_batch_size=0"],  # sharded policy and reference (one process: unsharded)
+    "shard": ["parallel=shard", "optim.micro_batch_size=0"],  # sharded policy and reference (one process: unsharded)
 }
 
 
 @pytest.mark.parametrize("case", list(PARALLEL_CASES))
 def test_two_processes_give_the_single_process_update_on_the_same_batch(tmp_path, case):
     overrides = ["optim.micro_batch_size=3", "rollout.prompts_per_step=4", *PARALLEL_CASES[case]]
-    single = [o for o in overrides if o != "fsdp=true"]
+    single = [o for o in overrides if o != "parallel=shard"]
     state = setup(make_cfg(single, cache_dir=str(tmp_path / "c")), str(tmp_path / "single"), {})
-    state.timer = Timer()
-    rollout = make_rollout(state, [state.task.train[i] for i in range(4)])
+    rollout = make_rollout(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward,
+                           [state.parts.task.train[i] for i in range(4)])
     if case == "dynamic_sampling":  # group 0 (rank 0) uninformative, groups 1-3 informative: keeps 1 and 2
         rollout.rewards = torch.tensor([0.0] * 4 + [1.0, 0, 0, 0] * 3)
     torch.save(rollout, tmp_path / "rollout.pt")
@@ -62,12 +62,12 @@ def test_two_processes_give_the_single_process_update_on_the_same_batch(tmp_path
         assert max(diffs.values(), default=0) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
     assert (case == "gae_whitening_and_critic") == bool(one["critic"])
     assert any(not torch.equal(a, b) for a, b in zip(one["params"].values(), setup(
-        make_cfg(single, cache_dir=str(tmp_path / "c")), str(tmp_path / "fresh"), {}).policy.state_dict().values()))
+        make_cfg(single, cache_dir=str(tmp_path / "c")), str(tmp_path / "fresh"), {}).parts.policy.state_dict().values()))
 
 
 def test_each_rank_keeps_whole_groups():
     prompts = list(range(8))
-    shards = [distributed.shard(prompts, r, 2) for r in range(2)]
+    shards = [parallel.shard(prompts, r, 2) for r in range(2)]
     assert shards == [[0, 1, 2, 3], [4, 5, 6, 7]]  # groups are formed after sharding: G copies of each prompt
 
 
@@ -79,15 +79,15 @@ def test_what_does_not_divide_among_the_processes_is_refused():
 
 
 @pytest.mark.parametrize("overrides, world, message", [
-    ([], 1, "fsdp=true shards over several processes"),
-    (["algo=ppo"], 2, "fsdp=true does not shard a critic yet"),
-    (["sampler=dapo"], 2, "fsdp=true needs as many micro-batches on every process"),
-    (["optim.micro_batch_tokens=512"], 2, "fsdp=true needs as many micro-batches on every process"),
+    ([], 1, "parallel=shard shards over several processes"),
+    (["algo=ppo"], 2, "parallel=shard does not shard a critic yet"),
+    (["sampler=dapo"], 2, "parallel=shard needs as many micro-batches on every process"),
+    (["optim.micro_batch_tokens=512"], 2, "parallel=shard needs as many micro-batches on every process"),
 ])
-def test_fsdp_refuses_what_it_does_not_shard_yet(overrides, world, message):
+def test_sharding_refuses_what_it_does_not_shard_yet(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
-        validate(make_cfg(["fsdp=true", *overrides]), world=world)
-    validate(make_cfg(["fsdp=true"]), world=2)  # the default composes with it
+        validate(make_cfg(["parallel=shard", *overrides]), world=world)
+    validate(make_cfg(["parallel=shard"]), world=2)  # the default composes with it
 
 
 def torchrun(run_dir, cache, *extra):
@@ -99,13 +99,13 @@ def torchrun(run_dir, cache, *extra):
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_two_process_run_writes_once_and_resumes(tmp_path, sharded):
-    extra = ["fsdp=true"] if sharded else []
+    extra = ["parallel=shard"] if sharded else []
     out = torchrun(tmp_path / "run", tmp_path / "c", "steps=2", *extra)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2]  # rank 0 alone writes
     assert json.loads((tmp_path / "run" / "run.json").read_text())["processes"] == 2
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["fsdp"] == sharded
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["parallel"] == ("Sharded" if sharded else "Replicated")
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
     assert len(state["rng_ranks"]) == 2
     last = 4 if sharded else 3  # step 4's numbers depend on the Adam state restored after step 2
@@ -182,7 +182,7 @@ def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path):
 def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path):
     """What a scheduler does on preemption: SIGTERM to the launcher, which forwards it to the ranks."""
     from test_reliability import metrics
-    cmd = [sys.executable, "-m", "rlkit.launch", "--nproc_per_node=2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "rlkit.parallel.launch", "--nproc_per_node=2", "--master_port", str(free_port()),
            "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}", f"hydra.run.dir={tmp_path / 'run'}",
            "steps=200", "checkpoint.every=0", "eval.every=0"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -203,7 +203,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path):
 
 
 def test_a_failure_on_one_rank_stops_the_others_with_one_named_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "rlkit.launch", "--nproc_per_node=2", "--master_port",
+    out = subprocess.run([sys.executable, "-m", "rlkit.parallel.launch", "--nproc_per_node=2", "--master_port",
                           str(free_port()), "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}",
                           f"hydra.run.dir={tmp_path / 'run'}", "rewards=accuracy_format",
                           "++reward.functions.format._target_=helpers.FailsOnRank1", "~reward.functions.format.pattern"],

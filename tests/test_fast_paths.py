@@ -12,7 +12,7 @@ from rlkit.logprobs import causal_parts, pack, positions, token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
 from rlkit.types import Rollout
 from rlkit.tasks.arithmetic import ALPHABET
-from rlkit.train import micro_batches
+from rlkit.loop import micro_batches
 
 PROMPTS = ["1+2=", "13+4+5=", "7+7=", "9+1+0+3=", "5=", "2+2+2+2+2="] * 4  # left padding of several widths
 

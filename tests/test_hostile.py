@@ -222,9 +222,9 @@ def test_compare_refuses_a_metric_nobody_logged(tmp_path, capsys):
     assert not (tmp_path / "run" / "compare").exists()
 
 
-def test_a_checkpoint_resumes_only_under_the_same_fsdp_setting():
-    with pytest.raises(ConfigError, match="written with different fsdp"):
-        check_resume({"fsdp": False, "seed": 0}, {"fsdp": True, "seed": 0}, "ckpt")
+def test_a_checkpoint_resumes_only_under_the_same_parallel_setting():
+    with pytest.raises(ConfigError, match="written with different parallel"):
+        check_resume({"parallel": "replicate", "seed": 0}, {"parallel": "shard", "seed": 0}, "ckpt")
 
 
 @pytest.mark.parametrize("blocked", [False, True])
@@ -307,7 +307,7 @@ def test_file_answers_keep_the_files_text(tmp_path):
 
 def test_the_ranks_of_one_launch_resolve_the_same_default_run_directory():
     """Two processes of one launch, started a second apart, read the same time (their parent's start)."""
-    code = "from rlkit.distributed import launch_time; print(launch_time())"
+    code = "from rlkit.parallel import launch_time; print(launch_time())"
     env = {**os.environ, "WORLD_SIZE": "2"}
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
     time.sleep(1.1)

@@ -1,5 +1,6 @@
 """The shape of the package: rlkit's imports (module-level and inside functions) form no circle,
-and the data types on the ground floor import nothing from rlkit."""
+the data types on the ground floor import nothing from rlkit, parallelism lives in one package,
+and no function is longer than 50 lines."""
 import ast
 from pathlib import Path
 
@@ -8,14 +9,23 @@ import rlkit
 ROOT = Path(rlkit.__file__).parent
 
 
+def modules() -> dict:
+    """rlkit's modules: dotted name -> source file."""
+    return {".".join(("rlkit", *p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
+            for p in ROOT.rglob("*.py")}
+
+
 def import_graph() -> dict:
+    """module -> the rlkit modules it imports; `from a import b` counts as importing `a.b` when that
+    is a module, else `a`."""
+    files = modules()
     graph = {}
-    for path in ROOT.rglob("*.py"):
-        name = ".".join(("rlkit", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+    for name, path in files.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "rlkit":
-                deps |= {f"rlkit.{a.name}" for a in node.names} if node.module == "rlkit" else {node.module}
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                         for a in node.names}
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.split(".")[0] == "rlkit"}
         graph[name] = deps
@@ -52,3 +62,18 @@ def test_the_cycle_finder_finds_a_planted_circle():
 
 def test_the_data_types_sit_on_the_ground_floor():
     assert import_graph()["rlkit.types"] == set()
+
+
+def test_parallelism_lives_in_one_package():
+    """Only rlkit.parallel calls torch.distributed or knows how a model is sharded."""
+    outside = {name: path.read_text() for name, path in modules().items() if not name.startswith("rlkit.parallel")}
+    assert len(outside) > 30
+    assert [n for n, text in outside.items() if "fsdp" in text.lower()] == []
+    assert [n for n, text in outside.items() if "torch.distributed" in text or "DTensor" in text] == []
+
+
+def test_no_function_is_longer_than_50_lines():
+    long = [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for name, path in modules().items() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50]
+    assert long == []

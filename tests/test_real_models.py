@@ -38,25 +38,25 @@ def pretrained(path, *extra):
 
 def test_a_saved_model_trains_through_its_chat_template(saved_model, tmp_path):
     state = setup(pretrained(saved_model), str(tmp_path / "s"), {})
-    assert state.task.train[0]["prompt"].startswith("<user>") and state.task.train[0]["prompt"].endswith(">")
+    assert state.parts.task.train[0]["prompt"].startswith("<user>") and state.parts.task.train[0]["prompt"].endswith(">")
     assert run(pretrained(saved_model, "model.chat_template=false"), str(tmp_path / "plain"))["steps"] == 2
 
 
 def test_lora_trains_adapters_only_and_its_reference_is_the_same_model(saved_model, tmp_path):
     cfg = pretrained(saved_model, "model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "loss.entropy_coef=0.1")
     state = setup(cfg, str(tmp_path / "s"), {})
-    assert isinstance(state.ref, AdaptersOff) and state.ref.policy[0] is state.policy  # no second copy
-    assert sum(p.numel() for p in state.ref.parameters()) == 0
+    assert isinstance(state.parts.ref, AdaptersOff) and state.parts.ref.policy[0] is state.parts.policy  # no second copy
+    assert sum(p.numel() for p in state.parts.ref.parameters()) == 0
     run(cfg, str(tmp_path / "run"))
     saved = load_file(tmp_path / "run" / "checkpoints" / "step_000002" / "policy" / "adapter_model.safetensors")
     assert saved and all("lora_" in k for k in saved)
     base = load_file(saved_model / "model.safetensors")
     state = setup(cfg, str(tmp_path / "run2"), {})
-    state.model.load(state.policy, tmp_path / "run" / "checkpoints" / "step_000002" / "policy")
+    state.parts.model.load(state.parts.policy, tmp_path / "run" / "checkpoints" / "step_000002" / "policy")
     merged = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
-              for k, v in state.policy.state_dict().items() if "lora_" not in k}
+              for k, v in state.parts.policy.state_dict().items() if "lora_" not in k}
     assert all(torch.equal(merged[k], v) for k, v in base.items() if k in merged)  # base weights untouched
-    lora_b = [v for k, v in state.policy.state_dict().items() if "lora_B" in k]
+    lora_b = [v for k, v in state.parts.policy.state_dict().items() if "lora_B" in k]
     assert any(v.abs().sum() > 0 for v in lora_b)  # the adapters trained (lora_B starts at zero; the entropy bonus moves it)
 
 

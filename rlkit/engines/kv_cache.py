@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit import fsdp
+from rlkit import parallel
 from rlkit.components import Engine
 from rlkit.engines.decoders import HFForward, decoder
 from rlkit.types import Generation
@@ -29,7 +29,7 @@ class KVCache(Engine):
         was_training = self.policy.training
         self.policy.eval()
         try:
-            with fsdp.full_weights(self.policy):  # a sharded policy is gathered once for the whole call
+            with parallel.full_weights(self.policy):  # a sharded policy is gathered once for the whole call
                 return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p,
                                 self.min_new_tokens)
         finally:

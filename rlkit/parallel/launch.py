@@ -1,10 +1,10 @@
-"""`python -m rlkit.launch` (or `rlkit-launch`): torchrun, with exit codes a scheduler can act on.
+"""`python -m rlkit.parallel.launch` (or `rlkit-launch`): torchrun, with exit codes a scheduler can act on.
 When the launcher itself receives SIGTERM or SIGINT (a preempted job), torchrun forwards the signal
 to every rank, which checkpoint after their step and stop, and then exits 1 with a traceback; this
 launcher exits 75 ("try again", as a single process does) with one line instead. When ranks fail,
 it exits with the code of the rank that failed first on its own (2 for bad input, 3, 74), not
 torchrun's 1, after one line per failed rank. Arguments are torchrun's:
-`python -m rlkit.launch --nproc_per_node=2 -m rlkit.train steps=100`. torchrun waits 30 s for the
+`python -m rlkit.parallel.launch --nproc_per_node=2 -m rlkit.train steps=100`. torchrun waits 30 s for the
 ranks before it kills them, so a step longer than that loses its checkpoint."""
 from __future__ import annotations
 

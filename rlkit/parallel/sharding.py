@@ -1,4 +1,4 @@
-"""Fully sharded data parallel (`fsdp=true` under torchrun or SLURM; PyTorch's FSDP2 `fully_shard`):
+"""Fully sharded data parallel (`parallel=shard` under torchrun or SLURM; PyTorch's FSDP2 `fully_shard`):
 each process holds 1/K of the policy's and the reference's parameters, gradients and optimizer
 state, so a model that does not fit on one device trains on K. Each decoder layer (the model's
 `_no_split_modules`) and the whole model are sharded; a forward gathers a layer's weights and

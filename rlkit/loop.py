@@ -1,0 +1,327 @@
+"""The RL loop. `run` joins the process group and calls `train`, which builds the run (`setup`) and
+repeats `step`: four phases, written out below in the order they run: `collect` (sample prompts,
+generate, score), `prepare` (reference and old log-probs, critic values, KL in the reward,
+advantages), `update` (epochs x mini-batches x micro-batches) and `measure` (the step's metrics);
+then, when due, the held-out evaluation, the log line and a checkpoint. Each phase takes the parts
+it uses, the runtime and its own sub-config."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+from rlkit import checkpoint, files, parallel
+from rlkit.critic import explained_variance
+from rlkit.evaluate import evaluate
+from rlkit.guards import NonFiniteError, Preempted, RunDirLock, StopSignals, checked_advantages, check_writable, finite
+from rlkit.hardware import check_portable
+from rlkit.logprobs import rollout_logprobs
+from rlkit.metrics import mean_or_none, reward_metrics, rollout_metrics, samples, weight_metrics
+from rlkit.rewards import overlong_penalty, score, step_reward_matrix
+from rlkit.setup import eval_options, setup, validate
+from rlkit.state import Parts, Run, Runtime
+from rlkit.types import Rollout
+
+hf_logging.disable_progress_bar()
+
+
+def micro_batches(r: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
+    """`rows` of `r` in micro-batches of similar length, so that trimming each to its own longest
+    row (`trimmed_inputs`) leaves little padding: sorted by prompt + completion length and cut
+    before a micro-batch passes `max_rows` rows or `max_tokens` padded tokens (0: no limit).
+    Returns positions in `rows`.  -> [m] each"""
+    if not max_rows and not max_tokens:  # one micro-batch, in the same (stable, by length) order
+        lengths = r.prompt_mask[rows].sum(-1) + r.completion_mask[rows].sum(-1)  # [n]
+        return [torch.argsort(lengths, stable=True).cpu()] if len(rows) else []
+    plen, clen = r.prompt_mask[rows].sum(-1).tolist(), r.completion_mask[rows].sum(-1).tolist()  # [n] each
+    out, cur, width = [], [], (0, 0)
+    for i in sorted(range(len(plen)), key=lambda i: plen[i] + clen[i]):
+        grown = (max(width[0], plen[i]), max(width[1], clen[i]))
+        if cur and (len(cur) == max_rows or max_tokens and (len(cur) + 1) * sum(grown) > max_tokens):
+            out.append(torch.tensor(cur))
+            cur, grown = [], (plen[i], clen[i])
+        cur.append(i)
+        width = grown
+    return out + [torch.tensor(cur)] if cur else out
+
+
+@torch.no_grad()
+def batched(fn, r: Rollout, micro: list[torch.Tensor]) -> torch.Tensor:
+    """fn over the micro-batches of rows `micro`, put back in row order.  -> [N, Tc]"""
+    out = torch.zeros(r.completion_ids.shape, device=r.completion_ids.device)  # [N, Tc]
+    for rows in micro:
+        out[rows] = fn(r.select_rows(rows))
+    return out
+
+
+@dataclass
+class Batch:
+    """A scored rollout with everything the update needs, all [N, Tc]."""
+
+    rollout: Rollout
+    mask: torch.Tensor                # the loss's training mask
+    adv: torch.Tensor
+    returns: torch.Tensor | None      # critic targets, when the estimator has them
+    old_logp: torch.Tensor | None     # None: the update's own log-probs, detached (one update per rollout)
+    ref_logp: torch.Tensor | None     # None: no reference (beta = 0)
+    old_values: torch.Tensor | None   # None: no critic
+
+
+@dataclass
+class UpdateStats:
+    skipped: bool = False                              # a NaN or inf advantage, loss or gradient norm
+    sums: dict = field(default_factory=dict)           # loss statistics summed over tokens
+    tokens: float = 0.0
+    losses: list = field(default_factory=list)         # one per optimizer step
+    grad_norms: list = field(default_factory=list)
+    value_losses: list = field(default_factory=list)
+
+
+# ---- 1. collect: P prompts from the sampler, G completions each from the engine, scored -------------------------
+
+def collect(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig) -> tuple[Rollout, dict]:
+    """A rollout from the sampler (`R`: the rollout config; `reward`: the reward config), and the
+    metrics of everything generated, kept or not."""
+    parts.policy.eval()
+    generated = []  # every rollout the sampler asked for, kept or not
+
+    def make(rows: list[dict]) -> Rollout:
+        generated.append(make_rollout(parts, rt, R, reward, rows))
+        return generated[-1]
+
+    rollout, metrics = parts.sampler.sample(make)
+    every = torch.cat([r.rewards for r in generated])  # [N_generated] kept or not
+    return rollout, {**metrics, "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in generated),
+                     "train/reward_all": mean_or_none(every)}
+
+
+def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, rows: list[dict]) -> Rollout:
+    G = R.group_size
+    rows = [row for row in parallel.shard(rows, rt.rank, rt.parallel.world) for _ in range(G)]  # N rows, groups contiguous
+    with rt.timer("generate"):
+        gen = parts.engine.generate([r["prompt"] for r in rows], R.max_new_tokens, R.temperature, R.top_p)
+    with rt.timer("score"):
+        texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        rewards, reward_parts = score(parts.task, parts.reward_fns, reward.combine, rows, texts, G,
+                                      reward.timeout_s)  # [N], [N, K]
+        r = Rollout(*gen, G, rows, texts, rewards.to(rt.device), reward_parts=reward_parts)
+        if reward.overlong_cache:
+            r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, reward.overlong_cache)  # [N]
+        if parts.advantage.needs_step_rewards:
+            r.step_rewards, r.step_mask = step_reward_matrix(parts.task.score_steps(rows, texts, reward.timeout_s),
+                                                             gen.completion_ids, gen.completion_mask, parts.tokenizer)
+    return r
+
+
+# ---- 2. prepare: forwards needed before the update, then advantages ----------------------------------------------
+
+def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollout: Rollout) -> Batch:
+    """`O`: the optim config (epochs, mini- and micro-batches); `temperature`: the rollout's."""
+    loss = parts.loss
+    rows = micro_batches(rollout, torch.arange(rollout.num_rows), O.micro_batch_size, O.micro_batch_tokens)
+    logp = lambda model: lambda r: rollout_logprobs(model, r, temperature)[0]  # noqa: E731
+    # old log-probs come free from the update itself unless the rollout is reused, the KL sits in the
+    # reward, or the engine's numbers are not the trainer's
+    reuse = O.epochs == 1 and O.mini_batches == 1 and not loss.kl_in_reward and parts.engine.exact_logprobs
+    with rt.timer("logprob"):
+        ref_logp = batched(logp(parts.ref), rollout, rows) if parts.ref is not None else None  # [N, Tc]
+        old_logp = None if reuse else batched(logp(parts.policy), rollout, rows)  # [N, Tc]
+        old_values = batched(parts.critic.values, rollout, rows) if parts.critic is not None else None  # [N, Tc]
+    if loss.kl_in_reward:
+        rollout.kl_penalty = loss.kl_penalty(old_logp, ref_logp)  # [N, Tc]
+    adv, returns = checked_advantages(parts.advantage, rollout, old_values)  # [N, Tc] each
+    return Batch(rollout, loss.train_mask(rollout), adv, returns, old_logp, ref_logp, old_values)
+
+
+# ---- 3. update: epochs x mini-batches (by groups) x micro-batches; the critic on the same mini-batches ------------
+
+def update(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: Batch) -> UpdateStats:
+    stats = UpdateStats(skipped=parallel.any_rank(not finite(batch.adv)))
+    parts.policy.train()
+    with rt.timer("update"):
+        for rows in ([] if stats.skipped else mini_batches(batch.rollout, O.epochs, O.mini_batches)):
+            if not policy_step(parts, rt, O, temperature, batch, rows, stats):
+                break
+            if parts.critic is not None:
+                stats.value_losses.append(parts.critic.update(batch.rollout.select_rows(rows), batch.old_values[rows],
+                                                              batch.returns[rows], batch.mask[rows]))
+        if stats.grad_norms:  # the warm-up counts updates, not skipped steps
+            parts.schedule.step()
+            parts.engine.load_weights(parts.policy)
+    return stats
+
+
+def mini_batches(rollout: Rollout, epochs: int, n: int):
+    """Row indices of each mini-batch, whole groups, reshuffled every epoch when n > 1.  -> [n_rows] each"""
+    for _ in range(epochs):
+        groups = torch.randperm(rollout.num_groups) if n > 1 else torch.arange(rollout.num_groups)
+        yield from (rollout.group_rows(mb) for mb in groups.chunk(n))
+
+
+def policy_step(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: Batch, rows: torch.Tensor,
+                stats: UpdateStats) -> bool:
+    """One optimizer step on `rows`, accumulated over micro-batches; False (and no step) when the
+    loss or the gradient norm is not finite."""
+    loss_fn = parts.loss
+    weights = parallel.global_weights(parts.aggregator, batch.mask[rows])  # [n, Tc] normalised over the mini-batch
+    parts.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for micro in micro_batches(batch.rollout, rows, O.micro_batch_size, O.micro_batch_tokens):
+        idx = rows[micro]  # [m]
+        r, m = batch.rollout.select_rows(idx), batch.mask[idx]  # m: [m, Tc]
+        logp, entropy = rollout_logprobs(parts.policy, r, temperature,
+                                         "grad" if loss_fn.entropy_grad else "metric")  # [m, Tc] each
+        old = logp.detach() if batch.old_logp is None else batch.old_logp[idx]  # [m, Tc]
+        ref = batch.ref_logp[idx] if batch.ref_logp is not None else None
+        L, info = loss_fn(logp, old, batch.adv[idx], m, ref, entropy)  # [m, Tc]
+        loss = (L * weights[micro]).sum()
+        if not finite(loss.detach()):
+            stats.skipped = True
+            break
+        loss.backward()
+        total += float(loss.detach())
+        for k, v in {**info, "entropy": entropy.detach()}.items():
+            stats.sums[k] = stats.sums.get(k, 0.0) + float((v * m).sum())
+        stats.tokens += float(m.sum())
+    return finish_step(parts, rt, O.max_grad_norm, stats, total)
+
+
+def finish_step(parts: Parts, rt: Runtime, max_grad_norm: float, stats: UpdateStats, total: float) -> bool:
+    """Reduce the gradients over the processes, clip, and step unless anything is non-finite."""
+    rt.parallel.reduce_gradients(parts.policy.parameters())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(parts.policy.parameters(), max_grad_norm))
+    if parallel.any_rank(stats.skipped) or not finite(grad_norm):
+        stats.skipped = True
+        parts.optimizer.zero_grad(set_to_none=True)
+        return False
+    stats.losses.append(float(parallel.total(torch.tensor(total))))  # every rank's share of the loss
+    stats.grad_norms.append(grad_norm)
+    parts.optimizer.step()
+    return True
+
+
+# ---- 4. measure: the step's metrics -------------------------------------------------------------------------------
+
+def measure(parts: Parts, rt: Runtime, step: int, rollout: Rollout, batch: Batch | None, stats: UpdateStats,
+            metrics: dict) -> dict:
+    if stats.skipped:
+        metrics["train/nonfinite_skipped"] = 1
+        print(f"rlkit: step {step}: non-finite advantage, loss or gradient norm; update skipped", file=sys.stderr)
+    if batch is None:
+        metrics["train/skipped_empty_batch"] = 1
+    elif rollout.num_rows:  # under data parallel, dynamic sampling may keep nothing on this rank alone
+        metrics.update(rollout_metrics(rollout, batch.adv))
+        metrics.update(reward_metrics(rollout, list(parts.reward_fns)))
+    if batch is not None and not stats.skipped:
+        weights = parallel.global_weights(parts.aggregator, batch.mask)  # [N, Tc] every rank takes part
+        if rollout.num_rows:
+            metrics.update(weight_metrics(rollout, batch.adv, weights))
+        metrics.update({f"train/{k}": v / max(stats.tokens, 1.0) for k, v in stats.sums.items()})
+        metrics.update({"train/loss": sum(stats.losses) / len(stats.losses),
+                        "train/grad_norm": sum(stats.grad_norms) / len(stats.grad_norms)})
+    if stats.value_losses:
+        metrics.update({"train/value_loss": sum(stats.value_losses) / len(stats.value_losses),
+                        "train/explained_variance": explained_variance(batch.old_values, batch.returns, batch.mask)})
+    metrics.update(parts.task.step_metrics())
+    metrics.update({f"time/{k}": v for k, v in rt.timer.items()})
+    metrics["perf/tokens_per_s"] = float(rollout.completion_mask.sum()) / rt.timer["step"]
+    return metrics
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------------
+
+def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
+    """Step `n`: the four phases, the held-out evaluation when due, the log line and sample
+    completions. Returns the logged metrics and the update's statistics."""
+    cfg, parts, rt = run.cfg, run.parts, run.runtime
+    rt.timer.clear()
+    with rt.timer("step"):
+        rollout, metrics = collect(parts, rt, cfg.rollout, cfg.reward)
+        kept = parallel.any_rank(rollout.num_rows > 0)  # dynamic sampling may keep nothing
+        batch, stats = learn(run, rollout) if kept else (None, UpdateStats())
+    metrics = measure(parts, rt, n, rollout, batch, stats, metrics)
+    if n == cfg.steps or (cfg.eval.every and n % cfg.eval.every == 0):
+        run.progress.last_eval = evaluate(parts.engine, parts.tokenizer, parts.task, **eval_options(cfg))
+        metrics.update(run.progress.last_eval)
+    metrics = parallel.mean_metrics(metrics)
+    rt.logger.log(n, metrics)  # metrics without a value (None) are left out
+    if cfg.samples_every and batch is not None and (n % cfg.samples_every == 0 or n == 1):
+        rt.logger.log_samples(n, samples(rollout, batch.adv, per_group=2))
+    return metrics, stats
+
+
+def learn(run: Run, rollout: Rollout) -> tuple[Batch, UpdateStats]:
+    """Phases 2 and 3 on a collected rollout."""
+    O, temperature = run.cfg.optim, run.cfg.rollout.temperature
+    batch = prepare(run.parts, run.runtime, O, temperature, rollout)
+    return batch, update(run.parts, run.runtime, O, temperature, batch)
+
+
+def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
+    """Train as `cfg` says, writing to `run_dir`; `run_info` carries the chosen options (`choices`)
+    and sweep name for the logger."""
+    t0 = time.perf_counter()
+    rank, world = parallel.init(cfg.device)
+    agreed = False  # whether every rank ends here the same way (finished, or stopped after the same step)
+    try:
+        summary = train(cfg, run_dir, run_info or {}, rank, world, t0)
+        agreed = True
+        return summary
+    except (Preempted, NonFiniteError):  # decided on every rank after the same step
+        agreed = True
+        raise
+    finally:
+        parallel.close(agreed)
+
+
+def train(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, t0: float) -> dict:
+    components = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
+    check_portable(cfg.portable)
+    check_writable(run_dir, "hydra.run.dir")
+    with RunDirLock(run_dir) if rank == 0 else nullcontext(), StopSignals() as stop:  # SIGTERM/SIGINT: finish the step
+        run = setup(cfg, run_dir, run_info, components, stop)
+        run.runtime.t0 = t0
+        if stop.received:
+            raise Preempted(f"stopped by {stop.received} before the first step; rerun the same command to start")
+        start = run.progress.start
+        bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="rlkit", file=sys.stderr)
+        for n in bar:
+            metrics, stats = step(run, n)
+            bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}",
+                            acc=f"{run.progress.last_eval['eval/accuracy']:.2f}")
+            stopping = parallel.any_rank(bool(stop.received))  # every rank stops after the same step
+            if n == cfg.steps or (cfg.checkpoint.every and n % cfg.checkpoint.every == 0) or stopping:
+                path = checkpoint.save_run(run, n)
+            if stopping:
+                run.runtime.logger.finish()
+                raise Preempted(f"stopped by {stop.received or 'a signal to another rank'} after step {n}; "
+                                f"checkpoint {path}; rerun the same command (same hydra.run.dir) to resume")
+            run.runtime.guard.record(stats.skipped, n)
+        run.runtime.logger.finish()
+        return write_summary(run)
+
+
+def write_summary(run: Run) -> dict:
+    """summary.json and the closing line; wall time counts every session of the run, set-up included.
+    A rerun of a finished run keeps its summary."""
+    rt, p, steps = run.runtime, run.progress, run.cfg.steps
+    path = Path(rt.run_dir, "summary.json")
+    if rt.rank:
+        return {}
+    if p.finished_before and path.exists():
+        print(f"rlkit: the run in {rt.run_dir} had already finished at step {p.start}; nothing to do", file=sys.stderr)
+        return json.loads(path.read_text())
+    summary = {"accuracy_before": p.first_eval["eval/accuracy"], "accuracy_after": p.last_eval["eval/accuracy"],
+               "steps": steps, "wall_s": round(run.wall_s(), 1)}
+    files.write_text(path, json.dumps(summary, indent=1))
+    print(f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
+          f"in {summary['wall_s']:.0f}s over {steps} steps ({rt.run_dir})", file=sys.stderr)
+    return summary

@@ -1,0 +1,85 @@
+"""A run's state, split by lifetime: `Parts` (what the run is built from, fixed once built),
+`Progress` (what the loop advances and a checkpoint restores) and `Runtime` (this process: its
+directory, device, parallel strategy, logger, guards, clock). `Run` holds the three and the config."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, Model, PolicyLoss, Sampler
+
+
+class Timer(dict):
+    """Seconds spent per named block within a step: `with timer("generate"): ...`."""
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self[name] = self.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The built components and models (the objects keep their own internal state)."""
+
+    task: Any
+    model: Model                         # the model component: reference, loading weights
+    policy: torch.nn.Module
+    tokenizer: Any
+    engine: Engine
+    ref: torch.nn.Module | None          # frozen reference, only when loss.beta > 0
+    critic: Critic | None                # only when the estimator needs one
+    advantage: AdvantageEstimator
+    aggregator: Aggregator
+    loss: PolicyLoss
+    reward_fns: dict                     # name -> RewardFunction; {} = the task's own reward
+    sampler: Sampler
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LambdaLR
+
+
+@dataclass
+class Progress:
+    """Where the run stands; saved in every checkpoint."""
+
+    start: int = 0                       # last finished step (resume)
+    first_eval: dict = field(default_factory=dict)
+    last_eval: dict = field(default_factory=dict)
+    wall_before: float = 0.0             # wall seconds of earlier sessions (resume)
+    finished_before: bool = False        # resumed from the final checkpoint: nothing left to train
+    run_id: str | None = None            # the logger's run, continued on resume
+
+
+@dataclass
+class Runtime:
+    """This process's place in the run."""
+
+    run_dir: str
+    device: torch.device
+    parallel: Any                        # the strategy (rlkit.parallel.strategy): rank, world, reductions
+    logger: Any = None
+    guard: Any = None                    # NonFiniteGuard
+    timer: Timer = field(default_factory=Timer)
+    t0: float = field(default_factory=time.perf_counter)  # this session's start
+
+    @property
+    def rank(self) -> int:
+        return self.parallel.rank
+
+
+@dataclass
+class Run:
+    cfg: DictConfig
+    parts: Parts
+    progress: Progress
+    runtime: Runtime
+
+    def wall_s(self) -> float:
+        """Wall seconds of every session of the run, set-up included."""
+        return self.progress.wall_before + time.perf_counter() - self.runtime.t0
