@@ -149,5 +149,7 @@ def main() -> None:
         raise
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # run as the module `rlkit.train`, the one Hydra's callback (ComposeCheck) lives in
+    from rlkit.train import main as module_main
+
+    module_main()
