@@ -311,13 +311,17 @@ def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: 
     run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlkit-study", description="Run a declared study end to end: pilot, plan, "
                                 "runs, analysis and the verdict in the study's README.")
     p.add_argument("study", help="a study name (experiments/<name>/study.yaml) or the path of a study file")
     p.add_argument("--runs", type=Path, help="where run directories go (default: outputs/studies/<name>)")
     p.add_argument("--analyse-only", action="store_true", help="no runs: recompute the analysis from results/")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     try:
         name, path = study_paths(a.study)
         spec = load_spec(path)

@@ -1,0 +1,131 @@
+"""The documentation: `mkdocs build --strict` succeeds, and every command README.md and docs/ show
+is checked. rlkit-train commands (alone, under torchrun, and every job of a sweep) are composed by
+Hydra and validated as rlkit-train validates them, with the processes torchrun would start;
+rlkit-compare and rlkit-study commands parse, and a study's arms compose and validate; the plugin
+files the pages show are written out first, so the plugin commands compose with them; pip and
+benchmark commands name extras and files that exist. A command of any other program fails."""
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from rlkit import compare, study
+from rlkit.setup import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXAMPLE_PLUGIN = ROOT / "experiments" / "plugins"
+
+
+def shown_commands(text: str) -> list[str]:
+    """The indented (4-space) code lines outside fenced blocks, continuation lines joined."""
+    out, lines, fenced, i = [], text.splitlines(), False, 0
+    while i < len(lines):
+        line = lines[i]
+        fenced = not fenced if line.startswith("```") else fenced
+        if not fenced and line.startswith("    ") and line.strip():
+            cmd = line.strip()
+            while cmd.endswith("\\"):
+                i += 1
+                cmd = cmd[:-1].rstrip() + " " + lines[i].strip()
+            out.append(cmd.split("  #")[0].strip())
+        i += 1
+    return out
+
+
+def shown_files(text: str) -> dict[str, str]:
+    """Fenced blocks whose first line is a comment naming a file: path -> content."""
+    blocks = text.split("```")[1::2]
+    out = {}
+    for block in blocks:
+        body = block.split("\n", 1)[1] if "\n" in block else ""
+        first = body.split("\n", 1)[0]
+        if first.startswith("# ") and ("/" in first or first.split()[1].endswith(".py")):
+            out[first[2:].split()[0]] = body
+    return out
+
+
+ALL = [(page.name, cmd) for page in PAGES for cmd in shown_commands(page.read_text())]
+
+
+def test_the_pages_show_commands_and_the_readme_is_short():
+    assert len(ALL) >= 30 and {"README.md", "distributed.md", "sweeps.md", "plugins.md"} <= {p for p, _ in ALL}
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def test_the_docs_build_strictly(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                          "-d", str(tmp_path / "site")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "site" / "distributed" / "index.html").exists()
+
+
+def train_overrides(tokens: list[str]) -> tuple[list[str], int] | None:
+    """(overrides, processes) of an rlkit-train command, alone or under torchrun; None for another program."""
+    if tokens[0] == "rlkit-train":
+        return tokens[1:], 1
+    if tokens[:3] == ["python", "-m", "rlkit.train"]:
+        return tokens[3:], 1
+    if tokens[0] in ("torchrun", "rlkit-launch") and "rlkit.train" in tokens:
+        at = tokens.index("rlkit.train")
+        flags = dict(t.lstrip("-").split("=", 1) for t in tokens[1:at - 1] if "=" in t)
+        return tokens[at + 1:], int(flags.get("nproc_per_node", 1)) * int(flags.get("nnodes", 1))
+    return None
+
+
+def check_train(args: list[str], world: int) -> int:
+    """Compose every job of the command (a sweep's too) and validate it; returns the number of jobs."""
+    args = [a for a in args if a != "..."]  # the page's placeholder for "and your other overrides"
+    sweep = "-m" in args
+    args = [a for a in args if a != "-m"]
+    jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)[0] if sweep else [args]
+    for job in jobs:
+        with initialize_config_module(config_module="rlkit.conf", version_base=None):
+            cfg = compose("config", overrides=job)
+        validate(cfg, world)
+    return len(jobs)
+
+
+def check_command(cmd: str) -> None:
+    for part in cmd.split(" && "):
+        tokens = shlex.split(part)
+        train = train_overrides(tokens)
+        if train is not None:
+            assert check_train(*train) >= 1
+        elif tokens[0] == "rlkit-compare":
+            assert compare.parser().parse_args(tokens[1:]).metric
+        elif tokens[0] == "rlkit-study":
+            name, path = study.study_paths(study.parser().parse_args(tokens[1:]).study)
+            spec = study.load_spec(path)
+            for arm in spec.arms:
+                check_train(study.overrides(spec, arm), 1)
+        elif tokens[:2] == ["pip", "install"]:
+            target = tokens[-1]
+            base, _, extra = target.partition("[")
+            assert (ROOT / base).exists(), target
+            extras = tomllib.loads((ROOT / base / "pyproject.toml").read_text())["project"].get("optional-dependencies", {})
+            assert not extra or extra.rstrip("]") in extras, target
+        elif tokens[0] == "python" and tokens[1].startswith("benchmarks/"):
+            assert (ROOT / tokens[1]).is_file()
+        else:
+            assert tokens == ["pytest"], f"a command the docs test does not know: {part}"  # CI runs it
+
+
+@pytest.mark.parametrize("page, cmd", ALL, ids=[f"{p}:{c[:40]}" for p, c in ALL])
+def test_every_shown_command_composes(page, cmd, tmp_path, monkeypatch):
+    text = (ROOT / page if page == "README.md" else ROOT / "docs" / page).read_text()
+    for name, content in shown_files(text).items():  # the page's plugin files, as a reader would save them
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content)
+    monkeypatch.chdir(ROOT if "rlkit-study" in cmd or "pip install" in cmd else tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if "advantage=reinforce_pp" in cmd:  # what the installed example plugin's search-path plugin adds
+        monkeypatch.syspath_prepend(str(EXAMPLE_PLUGIN))
+        cmd += " hydra.searchpath=[pkg://rlkit_example_plugin.conf]"
+    check_command(cmd)
