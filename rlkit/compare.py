@@ -221,8 +221,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", nargs="+", default=["eval/accuracy"], help="metrics to tabulate and plot")
     p.add_argument("--aggregate", default="final", metavar="SPEC",
                    help="each run's one number: final, last:K (mean of the last K logged values), auc or "
-                   "auc:tokens (mean height of the curve over steps, or over generated tokens); 'best' (after step 0) "
-                   "is always shown beside it")
+                   "auc:tokens (mean height of the curve over steps, or over generated tokens), gain (final minus "
+                   "step 0); 'best' (after step 0) is always shown beside it")
     p.add_argument("--threshold", type=float, help="report steps until the first metric reaches this value")
     p.add_argument("--lower", nargs="*", default=[], help="metrics where lower is better")
     p.add_argument("--out", type=Path, help="output directory (default: <first path>/compare)")

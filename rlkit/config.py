@@ -31,6 +31,8 @@ class RewardConfig:
     overlong_cache: int = 0          # DAPO soft overlong punishment over the last k tokens of the budget; 0 = off
     functions: Dict[str, Any] = field(default_factory=dict)  # name -> weighted reward function; {} = the task's reward
     combine: str = "sum"             # sum (weighted sum) | normalise (z-score each term in its group, then sum)
+    shuffle: bool = False            # control: permute the step's rewards across its completions (same values,
+                                     # no link to the completions); a testbed must not improve under it
     timeout_s: float = 60.0          # time limit of one reward call (one completion); past it the run stops naming
                                      # the row; 0 = no limit
 

@@ -8,7 +8,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from rlkit.metrics import by_difficulty, mean_or_none as mean
+from rlkit.metrics import by_difficulty, hardest_third, mean_or_none as mean
 
 
 def answers(engine, tokenizer, task, rows_all: list[dict], batch_size: int, max_new_tokens: int,
@@ -30,16 +30,18 @@ def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int, samp
     """Greedy accuracy and mean completion length (tokens) of correct and incorrect answers; with
     `samples` = k > 0 also `eval/mean@k`, the accuracy of k completions per prompt sampled at the
     rollout's temperature. The sampling draws from its own generator state (`seed`, the same at
-    every evaluation), so it neither moves training's random stream nor differs between runs."""
+    every evaluation), so it neither moves training's random stream nor differs between runs. Each
+    accuracy is also given per difficulty level (`_d<k>`) and over the hardest third of levels (`_hard`)."""
     rows_all = task.eval.to_list()
     ok, lens = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E] each
     out = {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok]),
-           **by_difficulty(rows_all, ok.float(), "eval/acc")}
+           **by_difficulty(rows_all, ok.float(), "eval/acc"), **hardest_third(rows_all, ok.float(), "eval/acc")}
     if samples:
         repeated = [r for r in rows_all for _ in range(samples)]  # E * k rows, each prompt's k together
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             hit, _ = answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
         per_prompt = hit.float().view(len(rows_all), samples).mean(-1)  # [E]
-        out.update({f"eval/mean@{samples}": mean(per_prompt), **by_difficulty(rows_all, per_prompt, f"eval/mean@{samples}")})
+        out.update({f"eval/mean@{samples}": mean(per_prompt), **by_difficulty(rows_all, per_prompt, f"eval/mean@{samples}"),
+                    **hardest_third(rows_all, per_prompt, f"eval/mean@{samples}")})
     return out

@@ -112,6 +112,8 @@ def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, r
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         rewards, reward_parts = score(parts.task, parts.reward_fns, reward.combine, rows, texts, G,
                                       reward.timeout_s)  # [N], [N, K]
+        if reward.shuffle:
+            rewards = rewards[torch.randperm(len(rewards))]  # [N] the control: rewards unrelated to completions
         r = Rollout(*gen, G, rows, texts, rewards.to(rt.device), reward_parts=reward_parts)
         if reward.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, reward.overlong_cache)  # [N]

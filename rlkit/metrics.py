@@ -66,6 +66,18 @@ def by_difficulty(rows: list[dict], values: torch.Tensor, name: str, reduce=mean
     return {f"{name}_d{int(k)}": reduce(values[d == k]) for k in d.unique().tolist()}
 
 
+def hardest_third(rows: list[dict], values: torch.Tensor, name: str) -> dict:
+    """`name` + `_hard`: the mean of `values` over the rows of the hardest third of the difficulty
+    levels present (rounded up: with levels 2-8, levels 6-8). For a fixed set of rows, such as the
+    held-out split, so the same prompts count at every evaluation.  values: [N]"""
+    d = difficulties(rows)
+    if d is None:
+        return {}
+    levels = d.unique()  # sorted
+    hard = d >= levels[-((len(levels) + 2) // 3)]  # [N]
+    return {f"{name}_hard": mean_or_none(values[hard])}
+
+
 def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict:
     """Effective per-token weight (advantage x aggregator weight): summed over correct and over
     incorrect completions, and its mean magnitude per token for short and long completions

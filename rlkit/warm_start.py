@@ -47,12 +47,13 @@ def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: f
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps))
     policy.train()
-    n = len(task.train)
+    pool = getattr(task, "demonstrations", task.train)  # the prompts a task demonstrates (default: all)
+    n = len(pool)
     for _ in tqdm(range(steps), desc="rlkit warm start", file=sys.stderr, leave=False):
         if stop is not None and stop.received:
             raise Preempted(f"stopped by {stop.received} during the warm start; nothing was cached or trained; "
                             "rerun the same command to start again")
-        rows = [task.train[rng.randrange(n)] for _ in range(batch_size)]
+        rows = [pool[rng.randrange(n)] for _ in range(batch_size)]
         pid, pmask, cid, cmask = demonstration_batch(tokenizer, task, rows, rng)
         logp, _ = token_logprobs(policy, pid, pmask, cid, cmask)  # [B, Tc]
         loss = -(logp * cmask).sum() / cmask.sum()

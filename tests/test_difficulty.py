@@ -1,12 +1,14 @@
 """The wide testbed and metrics split by difficulty and correctness, by hand."""
 import pytest
+import torch
 
 from conftest import make_cfg
 from helpers import make_rollout
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.advantages import DrGRPO
 from rlkit.config import build
-from rlkit.metrics import rollout_metrics, weight_metrics
+from rlkit.metrics import hardest_third, rollout_metrics, weight_metrics
+from rlkit.warm_start import train_supervised
 
 
 def test_wide_testbed_rows_carry_their_number_of_terms_as_difficulty():
@@ -16,6 +18,27 @@ def test_wide_testbed_rows_carry_their_number_of_terms_as_difficulty():
         assert r["difficulty"] == r["prompt"].count("+") + 1 and int(r["answer"]) == sum(task.terms(r))
     worked = task.demonstration({"prompt": "1+2+3+4+5+6+7+8=", "answer": "36"}, __import__("random").Random(0))
     assert worked in ("36", "1+2=3;3+3=6;6+4=10;10+5=15;15+6=21;21+7=28;28+8=36;36")  # long worked answers
+
+
+def test_hardest_third_is_the_top_third_of_difficulty_levels():
+    rows = [{"difficulty": d} for d in (2, 3, 4, 5, 6, 7, 8, 8)]  # 7 levels: the top 3 are 6, 7, 8
+    ok = torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 1])
+    assert hardest_third(rows, ok, "eval/acc") == {"eval/acc_hard": pytest.approx(2 / 4)}
+    assert hardest_third([{"difficulty": 2}, {"difficulty": 3}], torch.tensor([0.0, 1.0]), "x") == {"x_hard": 1.0}
+    assert hardest_third([{"prompt": "a"}], torch.tensor([1.0]), "x") == {}
+
+
+def test_the_warm_start_demonstrates_only_prompts_up_to_demo_max_terms(monkeypatch):
+    task = build(make_cfg(["task=arithmetic_wide", "task.n_train=300", "task.n_eval=50", "task.demo_max_terms=4"]),
+                 "task")
+    assert {r["difficulty"] for r in task.demonstrations} == {2, 3, 4} and len(task.train) == 300
+    seen = []
+    monkeypatch.setattr(type(task), "demonstration", lambda self, row, rng: seen.append(row["difficulty"]) or "1")
+    tok = build(make_cfg([]), "model").build(task.alphabet, 0)
+    train_supervised(*tok, task, steps=2, batch_size=16, lr=1e-3, seed=0)
+    assert len(seen) == 32 and max(seen) == 4
+    with pytest.raises(Exception, match="demo_max_terms"):
+        build(make_cfg(["task=arithmetic_wide", "task.demo_max_terms=9"]), "task")
 
 
 def rollout_with_difficulty():

@@ -110,6 +110,8 @@ def test_per_run_aggregates_by_hand():
     # over generated tokens, 100 at step 10 and 300 at steps 20 and 30: (0.7 * 100 + 0.6 * 300 + 0.5 * 300) / 2 / 700
     run.history["train/gen_tokens"] = [(10, 100.0), (20, 300.0), (30, 300.0)]
     assert aggregate(run, "m", "auc:tokens") == pytest.approx((35 + 90 + 75) / 700)
+    assert aggregate(run, "m", "gain") == pytest.approx(0.1 - 0.5)  # the last value minus step 0's
+    assert aggregate(Run("r", {}, {"m": [(5, 0.5), (10, 0.2)]}), "m", "gain") is None  # no step-0 value
     with pytest.raises(ValueError, match="use final, last:K"):
         aggregate(run, "m", "last:0")
 

@@ -24,16 +24,20 @@ def _parse_int(text: str) -> int | None:
 class Arithmetic(Task):
     """Sums of `min_terms`..`max_terms` integers in [0, `max_operand`]; reward 1 for the right
     final answer, 0 for a wrong or malformed one. Each row's `difficulty` is its number of terms,
-    so metrics split by it (`train/acc_d3`, `eval/acc_d3`, ...)."""
+    so metrics split by it (`train/acc_d3`, `eval/acc_d3`, ...). The warm start demonstrates the
+    training prompts of at most `demo_max_terms` terms (0: all), so RL can be left to extend the
+    procedure to longer sums."""
 
     alphabet = ALPHABET
 
     def __init__(self, n_train: int = 4000, n_eval: int = 256, min_terms: int = 2, max_terms: int = 3,
-                 max_operand: int = 9, seed: int = 1234, worked_fraction: float = 0.5):
+                 max_operand: int = 9, seed: int = 1234, worked_fraction: float = 0.5, demo_max_terms: int = 0):
         if n_train < 1 or n_eval < 1:
             raise ValueError("task.n_train and task.n_eval must be >= 1")
         if not 2 <= min_terms <= max_terms:
             raise ValueError("task.min_terms and task.max_terms need 2 <= min_terms <= max_terms")
+        if demo_max_terms and not min_terms <= demo_max_terms <= max_terms:
+            raise ValueError("task.demo_max_terms must be 0 (every prompt) or in [task.min_terms, task.max_terms]")
         self.worked_fraction = worked_fraction
         rng = random.Random(seed)
 
@@ -55,6 +59,8 @@ class Arithmetic(Task):
                 train_rows.append(row)
         self.train = Dataset.from_list(train_rows)
         self.eval = Dataset.from_list(list(eval_rows.values()))
+        self.demonstrations = Dataset.from_list([r for r in train_rows if r["difficulty"] <= demo_max_terms]) \
+            if demo_max_terms else self.train
 
     @staticmethod
     def terms(row: dict) -> list[int]:
