@@ -1,6 +1,7 @@
 """End to end on the built-in testbed: a real tiny model, Hydra config, checkpoints."""
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,3 +87,23 @@ def test_pretrained_model_loads_from_a_path(fast_cfg, tmp_path):
     summary = run(cfg, str(tmp_path / "run"))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "step_000001" / "policy")
     assert summary["steps"] == 1 and reloaded.config.hidden_size == 32
+
+
+def test_the_shuffled_reward_control_permutes_the_steps_rewards(fast_cfg, tmp_path):
+    """Same seed, same completions at step 1: the shuffled run's rewards are the same values (same
+    mean) given to other completions, so its advantages differ."""
+    logs = {}
+    for shuffle in (False, True):
+        d = tmp_path / str(shuffle)
+        run(fast_cfg("steps=1", f"reward.shuffle={shuffle}", "samples_every=1"), str(d))
+        logs[shuffle] = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()][1]
+        logs[shuffle, "samples"] = json.loads((d / "samples.jsonl").read_text().splitlines()[0])["samples"]
+    plain, shuffled = logs[False], logs[True]
+    assert plain["train/gen_tokens"] == shuffled["train/gen_tokens"]  # the same completions
+    assert plain["train/reward_all"] == pytest.approx(shuffled["train/reward_all"])
+    assert plain["train/reward_std"] == pytest.approx(shuffled["train/reward_std"])
+    def mismatched(samples):  # completions whose reward is not their own answer's score
+        return sum(s["reward"] != float(s["completion"].split(";")[-1] == str(eval(s["prompt"][:-1])))
+                   for s in samples)
+    assert [s["completion"] for s in logs[False, "samples"]] == [s["completion"] for s in logs[True, "samples"]]
+    assert mismatched(logs[False, "samples"]) == 0 and mismatched(logs[True, "samples"]) > 0
