@@ -116,6 +116,12 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise `ConfigError(message)` unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def check(obj, kind: type, key: str) -> None:
     """Fail naming the config key when `obj` (a class or an instance) lacks what `kind` declares."""
     declared = set(getattr(kind, "__annotations__", {})) | {

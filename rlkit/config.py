@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.components import ConfigError  # noqa: F401  (raised by the checks; imported from here by users)
+from rlkit.components import ConfigError, require  # noqa: F401  (raised by the checks; imported from here by users)
 from rlkit.tasks.base import TaskError
 
 
@@ -187,49 +187,44 @@ def build(cfg: DictConfig, key: str, **runtime) -> Any:
         raise ConfigError(f"{key}: {type(cause).__name__}: {cause}") from e
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def check_values(cfg: DictConfig) -> None:
     """The config's own numbers and choices, before any component is built."""
     r, op = cfg.rollout, cfg.optim
-    _check(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
-    _check(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
-    _check(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
-    _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
-    _check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
-    _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    _check(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
-    _check(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
-    _check(op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}")
-    _check(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")
-    _check(1 <= op.mini_batches <= r.prompts_per_step,
+    require(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
+    require(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
+    require(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
+    require(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+    require(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    require(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    require(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
+    require(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
+    require(op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}")
+    require(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")
+    require(1 <= op.mini_batches <= r.prompts_per_step,
            f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}")
-    _check(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
-    _check(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
-    _check(op.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0, got {op.micro_batch_tokens}")
+    require(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
+    require(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
+    require(op.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0, got {op.micro_batch_tokens}")
     check_run_values(cfg)
 
 
 def check_run_values(cfg: DictConfig) -> None:
     """Rewards, warm start, evaluation, logging and checkpoints."""
-    _check(0 <= cfg.reward.overlong_cache <= cfg.rollout.max_new_tokens,
+    require(0 <= cfg.reward.overlong_cache <= cfg.rollout.max_new_tokens,
            f"reward.overlong_cache must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], "
            f"got {cfg.reward.overlong_cache}")
-    _check(cfg.reward.combine in ("sum", "normalise"),
+    require(cfg.reward.combine in ("sum", "normalise"),
            f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}")
-    _check(cfg.reward.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {cfg.reward.timeout_s}")
-    _check(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
-    _check(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
-    _check(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
-    _check(cfg.eval.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {cfg.eval.samples}")
-    _check(not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
+    require(cfg.reward.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {cfg.reward.timeout_s}")
+    require(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
+    require(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
+    require(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
+    require(cfg.eval.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {cfg.eval.samples}")
+    require(not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
            f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}")
-    _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
+    require(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:
-        _check(cfg[g] is not None, f"no option chosen for group '{g}'")
+        require(cfg[g] is not None, f"no option chosen for group '{g}'")
 
 
 def resolved(cfg: DictConfig) -> dict:

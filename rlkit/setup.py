@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 
 from rlkit import checkpoint, files, parallel
 from rlkit.components import (AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, RewardFunction, Sampler,
-                              check)
-from rlkit.config import ConfigError, build, check_values, chosen, resolved, target_class
+                              check, require)
+from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import evaluate
 from rlkit.guards import NonFiniteGuard, check_context, check_encodable, check_writable
 from rlkit.hardware import hardware
@@ -37,11 +37,6 @@ class Components:
     parallel: parallel.OneProcess        # how the processes share the model
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Components:
     """Every check that needs no model, before anything expensive is built or written: the config's
     values, the component classes, one build of the components that need no model, then what the
@@ -50,7 +45,7 @@ def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Components:
     for g, kind in (("advantage", AdvantageEstimator), ("sampler", Sampler)):  # they declare `min_group_size`
         cls = target_class(cfg, g)
         check(cls, kind, g)
-        _check(cfg.rollout.group_size >= cls.min_group_size,
+        require(cfg.rollout.group_size >= cls.min_group_size,
                f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {cfg.rollout.group_size}")
     check(target_class(cfg, "engine"), Engine, "engine")
     out = Components(build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss"),
@@ -64,14 +59,14 @@ def check_built(cfg: DictConfig, c: Components) -> None:
     """What the built components declare: a critic when the estimator needs one, the Protocols, finite
     reward weights, and what the parallel strategy can run."""
     if c.advantage.needs_critic:
-        _check(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")
+        require(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")
         check(target_class(cfg, "critic"), Critic, "critic")
     check(c.aggregator, Aggregator, "aggregator")
     check(c.loss, PolicyLoss, "loss")
     for name, fn in c.reward_fns.items():
         check(fn, RewardFunction, f"reward.functions.{name}")
         weight = fn.weight
-        _check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+        require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
                f"reward.functions.{name}.weight must be a finite number, got {weight!r}")
     c.parallel.check(cfg, c.advantage, target_class(cfg, "sampler"))
 

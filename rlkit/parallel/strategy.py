@@ -11,15 +11,10 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
-from rlkit.components import ConfigError
+from rlkit.components import require
 from rlkit.parallel import collectives, sharding
 
 MODES = ("replicate", "shard")
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 class OneProcess:
@@ -53,11 +48,11 @@ class Replicated(OneProcess):
 
     def check(self, cfg: DictConfig, advantage, sampler: type) -> None:
         for g, component in (("advantage", advantage), ("sampler", sampler)):
-            _check(component.data_parallel, f"{g}={cfg[g]._target_} does not run data-parallel yet; use one process")
+            require(component.data_parallel, f"{g}={cfg[g]._target_} does not run data-parallel yet; use one process")
         P = cfg.rollout.prompts_per_step
-        _check(P % self.world == 0, f"rollout.prompts_per_step={P} must divide among {self.world} processes")
+        require(P % self.world == 0, f"rollout.prompts_per_step={P} must divide among {self.world} processes")
         generated = math.ceil(P * cfg.sampler.get("oversample", 1.0))
-        _check(generated % self.world == 0, f"rollout.prompts_per_step x sampler.oversample = {generated} prompts "
+        require(generated % self.world == 0, f"rollout.prompts_per_step x sampler.oversample = {generated} prompts "
                                             f"per generation batch must divide among {self.world} processes")
 
     def reduce_gradients(self, params) -> None:
@@ -69,11 +64,11 @@ class Sharded(Replicated):
     optimizer state; checkpoints hold full state dicts."""
 
     def check(self, cfg: DictConfig, advantage, sampler: type) -> None:
-        _check(self.world > 1, "parallel=shard shards over several processes: start them with torchrun or srun")
+        require(self.world > 1, "parallel=shard shards over several processes: start them with torchrun or srun")
         super().check(cfg, advantage, sampler)
-        _check(not advantage.needs_critic, "parallel=shard does not shard a critic yet: use a group estimator")
-        _check(not cfg.model.get("lora_r", 0), "parallel=shard with LoRA is not supported yet: use model.lora_r=0")
-        _check(sampler.even_shares and not cfg.optim.micro_batch_tokens,
+        require(not advantage.needs_critic, "parallel=shard does not shard a critic yet: use a group estimator")
+        require(not cfg.model.get("lora_r", 0), "parallel=shard with LoRA is not supported yet: use model.lora_r=0")
+        require(sampler.even_shares and not cfg.optim.micro_batch_tokens,
                "parallel=shard needs as many micro-batches on every process: a sampler with even shares (not "
                "sampler=dapo) and optim.micro_batch_tokens=0")
 
@@ -95,7 +90,7 @@ class Sharded(Replicated):
 
 def choose(mode: str, rank: int, world: int) -> OneProcess:
     """The way of sharing for `parallel=mode` with `world` processes."""
-    _check(mode in MODES, f"parallel must be one of {list(MODES)}, got {mode!r}")
+    require(mode in MODES, f"parallel must be one of {list(MODES)}, got {mode!r}")
     if mode == "shard":
         return Sharded(rank, world)
     return Replicated(rank, world) if world > 1 else OneProcess(rank, world)
