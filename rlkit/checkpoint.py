@@ -150,14 +150,15 @@ def save_run(run: Run, step: int) -> Path:
     p = run.progress
     return save(rt.run_dir, step, models, parts.tokenizer,
                 {"optimizer": optimizer, "schedule": parts.schedule.state_dict(), **extra,
-                 "sampler": parts.sampler.state_dict(), "first_eval": p.first_eval, "last_eval": p.last_eval,
+                 "sampler": parts.sampler.state_dict(), "engine": parts.engine.state_dict(),
+                 "loss": parts.loss.state_dict(), "first_eval": p.first_eval, "last_eval": p.last_eval,
                  "run_id": rt.logger.run_id, "config": resolved(run.cfg), "wall_s": run.wall_s()},
                 keep=run.cfg.checkpoint.keep, rng_ranks=rng_ranks)
 
 
 def resume(run: Run) -> None:
     """Load the run directory's last checkpoint into `run` (weights, optimizers, sampler position,
-    RNG, progress); nothing when there is none."""
+    the engine's and the loss's own state, RNG, progress); nothing when there is none."""
     parts, run_dir = run.parts, run.runtime.run_dir
     last = latest(run_dir)
     if last is None:
@@ -176,6 +177,8 @@ def resume(run: Run) -> None:
         parts.critic.load(last / "critic")
         parts.critic.load_state_dict(state["critic_optimizer"])
     parts.sampler.load_state_dict(state["sampler"])
+    parts.engine.load_state_dict(state.get("engine", {}))
+    parts.loss.load_state_dict(state.get("loss", {}))
     set_rng_state(state["rng_ranks"][run.runtime.rank % len(state["rng_ranks"])])
     run.progress = Progress(state["step"], state.get("first_eval") or {}, state.get("last_eval") or {},
                             state.get("wall_s", 0.0), state["step"] >= run.cfg.steps, state.get("run_id"))

@@ -51,7 +51,7 @@ class Sampler(Protocol):
 
 
 class PolicyLoss(Protocol):
-    """Group `loss`. `loss(logp, old_logp, adv, mask, ref_logp, entropy)` -> (per-token loss
+    """Group `loss`. `loss(logp, old_logp, adv, mask, ref_logp, entropy, is_weight, select)` -> (per-token loss
     `[n, Tc]`, statistics `{name: [n, Tc]}`); the loop logs each statistic's token mean as
     `train/<name>` without knowing the names. `train_mask(rollout)` is the completion mask the
     aggregator normalises over (a loss may drop rows, e.g. truncated ones)."""
@@ -59,12 +59,37 @@ class PolicyLoss(Protocol):
     beta: float = 0.0                # KL coefficient; 0 builds no reference model and runs no reference forward
     kl_in_reward: bool = False       # True: the core subtracts beta * KL from the per-token reward instead
     entropy_grad: bool = False       # True: the entropy passed in carries a gradient (an entropy bonus)
+    selects_tokens: bool = False     # True: `token_selection` picks the tokens the policy term acts on
 
     def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                 ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, dict]: ...
+                 ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                 is_weight: torch.Tensor | None = None, select: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict]: ...  # is_weight: the correction's [n, Tc]; select: 0/1 [n, Tc]
     def kl_penalty(self, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor: ...  # [N, Tc]
     def train_mask(self, rollout: Rollout) -> torch.Tensor: ...  # [N, Tc]
+
+    def token_selection(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        return None  # [N, Tc] from the rollout's entropies under the policy that generated it
+
+    def end_step(self, entropy_sums: torch.Tensor) -> None:
+        pass  # after each optimizer step: the entropy sum and token count [2] of its selected tokens
+
+    def state_dict(self) -> dict:
+        return {}  # what a checkpoint keeps (e.g. an adaptive coefficient)
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class Correction(Protocol):
+    """Group `correction`: weights for a rollout the trainer did not sample (a stale or lower-
+    precision engine). `correction(logp, old_logp, behaviour_logp, adv, mask)` -> (weights
+    `[n, Tc]`, statistics `{name: [n, Tc]}`), without gradient; every `loss` multiplies its policy
+    term by the weights. `behaviour_logp` is the engine's (the trainer's `old_logp` when the
+    engine's numbers are the trainer's)."""
+
+    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, dict]: ...
 
 
 class Critic(Protocol):
@@ -83,14 +108,26 @@ class Critic(Protocol):
 class Engine(Protocol):
     """Group `engine` (`_partial_: true`; `policy` and `tokenizer` arrive at run time): generation
     for training and evaluation. `exact_logprobs` says its sampling distribution is the trainer's
-    own model, so old log-probs can be reused; otherwise the trainer recomputes them.
-    `load_weights(policy)` is called after every update."""
+    own model, so old log-probs can be reused; otherwise the trainer recomputes them, and an engine
+    that reports its own log-probs (`Generation.logprobs`) lets a `correction` weigh the loss.
+    `load_weights(policy)` is called after every update; `latest()` is the engine held-out
+    evaluation uses (the trainer's current weights); `state_dict()` is what a checkpoint keeps of
+    it (weights that are not the policy's own, e.g. a lagging copy)."""
 
     exact_logprobs: bool = True
 
     def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0) -> Generation: ...
     def load_weights(self, policy: torch.nn.Module) -> None: ...
+
+    def latest(self) -> "Engine":
+        return self
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 class Model(Protocol):

@@ -85,6 +85,7 @@ class RLKitConfig:
     aggregator: Any = None           # loss aggregator (group `aggregator`)
     sampler: Any = None              # prompt sampler (group `sampler`)
     loss: Any = None                 # policy loss, with KL and entropy options (group `loss`)
+    correction: Any = None           # off-policy correction of the policy loss (group `correction`)
     critic: Any = None               # value model, built only when the estimator needs one (group `critic`)
     engine: Any = None               # generation engine for training and evaluation (group `engine`)
     task: Any = None                 # task: data and reward (group `task`)
@@ -119,7 +120,7 @@ def short_dirname(overrides: str, limit: int = 96) -> str:
 
 OmegaConf.register_new_resolver("rlkit_dirname", short_dirname, replace=True)
 
-GROUPS = ("advantage", "aggregator", "sampler", "loss", "engine", "task", "model", "logger")
+GROUPS = ("advantage", "aggregator", "sampler", "loss", "correction", "engine", "task", "model", "logger")
 
 
 def chosen(cfg: DictConfig, key: str) -> bool:

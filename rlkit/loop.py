@@ -24,7 +24,7 @@ from rlkit.evaluate import evaluate
 from rlkit.guards import NonFiniteError, Preempted, RunDirLock, StopSignals, checked_advantages, check_writable, finite
 from rlkit.hardware import check_portable
 from rlkit.logprobs import rollout_logprobs
-from rlkit.metrics import mean_or_none, reward_metrics, rollout_metrics, samples, weight_metrics
+from rlkit.metrics import mean_or_none, mismatch_metrics, reward_metrics, rollout_metrics, samples, weight_metrics
 from rlkit.rewards import overlong_penalty, score, step_reward_matrix
 from rlkit.setup import eval_options, setup, validate
 from rlkit.state import Parts, Run, Runtime
@@ -54,12 +54,18 @@ def micro_batches(r: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: int
 
 
 @torch.no_grad()
-def batched(fn, r: Rollout, micro: list[torch.Tensor]) -> torch.Tensor:
-    """fn over the micro-batches of rows `micro`, put back in row order.  -> [N, Tc]"""
-    out = torch.zeros(r.completion_ids.shape, device=r.completion_ids.device)  # [N, Tc]
+def batched(fn, r: Rollout, micro: list[torch.Tensor], outputs: int = 1):
+    """fn over the micro-batches of rows `micro`, put back in row order; `outputs` > 1: fn returns
+    that many tensors.  -> [N, Tc] (each)"""
+    out = [torch.zeros(r.completion_ids.shape, device=r.completion_ids.device) for _ in range(outputs)]  # [N, Tc] each
     for rows in micro:
-        out[rows] = fn(r.select_rows(rows))
-    return out
+        res = fn(r.select_rows(rows))
+        for i, x in enumerate(res if outputs > 1 else (res,)):
+            if x is None:  # an output fn does not compute
+                out[i] = None
+            elif out[i] is not None:
+                out[i][rows] = x
+    return out if outputs > 1 else out[0]
 
 
 @dataclass
@@ -73,6 +79,7 @@ class Batch:
     old_logp: torch.Tensor | None     # None: the update's own log-probs, detached (one update per rollout)
     ref_logp: torch.Tensor | None     # None: no reference (beta = 0)
     old_values: torch.Tensor | None   # None: no critic
+    select: torch.Tensor | None = None  # tokens the policy term acts on (the loss's top-entropy selection); None: all
 
 
 @dataclass
@@ -98,6 +105,8 @@ def collect(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig) -> tup
         return generated[-1]
 
     rollout, metrics = parts.sampler.sample(make)
+    if getattr(parts.engine, "lag", None) is not None:  # updates between the sampled weights and the trainer's
+        metrics["offpolicy/lag"] = parts.engine.lag
     every = torch.cat([r.rewards for r in generated])  # [N_generated] kept or not
     return rollout, {**metrics, "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in generated),
                      "train/reward_all": mean_or_none(every)}
@@ -114,7 +123,8 @@ def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, r
                                       reward.timeout_s)  # [N], [N, K]
         if reward.shuffle:
             rewards = rewards[torch.randperm(len(rewards))]  # [N] the control: rewards unrelated to completions
-        r = Rollout(*gen, G, rows, texts, rewards.to(rt.device), reward_parts=reward_parts)
+        r = Rollout(*gen[:5], G, rows, texts, rewards.to(rt.device), reward_parts=reward_parts,
+                    behaviour_logp=gen.logprobs)
         if reward.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, reward.overlong_cache)  # [N]
         if parts.advantage.needs_step_rewards:
@@ -131,16 +141,20 @@ def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollou
     rows = micro_batches(rollout, torch.arange(rollout.num_rows), O.micro_batch_size, O.micro_batch_tokens)
     logp = lambda model: lambda r: rollout_logprobs(model, r, temperature)[0]  # noqa: E731
     # old log-probs come free from the update itself unless the rollout is reused, the KL sits in the
-    # reward, or the engine's numbers are not the trainer's
-    reuse = O.epochs == 1 and O.mini_batches == 1 and not loss.kl_in_reward and parts.engine.exact_logprobs
+    # reward, the engine's numbers are not the trainer's, or the loss selects tokens by their entropy
+    reuse = (O.epochs == 1 and O.mini_batches == 1 and not loss.kl_in_reward and parts.engine.exact_logprobs
+             and not loss.selects_tokens)
+    old = lambda r: rollout_logprobs(parts.policy, r, temperature, "metric" if loss.selects_tokens else "none")  # noqa: E731
     with rt.timer("logprob"):
         ref_logp = batched(logp(parts.ref), rollout, rows) if parts.ref is not None else None  # [N, Tc]
-        old_logp = None if reuse else batched(logp(parts.policy), rollout, rows)  # [N, Tc]
+        old_logp, entropy = (None, None) if reuse else batched(old, rollout, rows, outputs=2)  # [N, Tc] each
         old_values = batched(parts.critic.values, rollout, rows) if parts.critic is not None else None  # [N, Tc]
     if loss.kl_in_reward:
         rollout.kl_penalty = loss.kl_penalty(old_logp, ref_logp)  # [N, Tc]
     adv, returns = checked_advantages(parts.advantage, rollout, old_values)  # [N, Tc] each
-    return Batch(rollout, loss.train_mask(rollout), adv, returns, old_logp, ref_logp, old_values)
+    mask = loss.train_mask(rollout)  # [N, Tc]
+    select = loss.token_selection(entropy, mask) if loss.selects_tokens else None  # [N, Tc]
+    return Batch(rollout, mask, adv, returns, old_logp, ref_logp, old_values, select)
 
 
 # ---- 3. update: epochs x mini-batches (by groups) x micro-batches; the critic on the same mini-batches ------------
@@ -175,25 +189,33 @@ def policy_step(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, ba
     loss_fn = parts.loss
     weights = parallel.global_weights(parts.aggregator, batch.mask[rows])  # [n, Tc] normalised over the mini-batch
     parts.optimizer.zero_grad(set_to_none=True)
-    total = 0.0
+    total, entropy_sums = 0.0, torch.zeros(2)  # the selected tokens' entropy sum and count (adaptive coefficient)
     for micro in micro_batches(batch.rollout, rows, O.micro_batch_size, O.micro_batch_tokens):
         idx = rows[micro]  # [m]
-        r, m = batch.rollout.select_rows(idx), batch.mask[idx]  # m: [m, Tc]
+        r, m, adv = batch.rollout.select_rows(idx), batch.mask[idx], batch.adv[idx]  # [m, Tc] each
         logp, entropy = rollout_logprobs(parts.policy, r, temperature,
                                          "grad" if loss_fn.entropy_grad else "metric")  # [m, Tc] each
         old = logp.detach() if batch.old_logp is None else batch.old_logp[idx]  # [m, Tc]
+        behaviour = old if r.behaviour_logp is None else r.behaviour_logp  # [m, Tc] what the engine sampled with
+        is_weight, corrected = parts.correction(logp.detach(), old, behaviour, adv, m)  # [m, Tc]
         ref = batch.ref_logp[idx] if batch.ref_logp is not None else None
-        L, info = loss_fn(logp, old, batch.adv[idx], m, ref, entropy)  # [m, Tc]
+        sel = batch.select[idx] if batch.select is not None else None  # [m, Tc]
+        L, info = loss_fn(logp, old, adv, m, ref, entropy, is_weight, sel)  # [m, Tc]
         loss = (L * weights[micro]).sum()
         if not finite(loss.detach()):
             stats.skipped = True
             break
         loss.backward()
         total += float(loss.detach())
-        for k, v in {**info, "entropy": entropy.detach()}.items():
+        for k, v in {**info, **corrected, "entropy": entropy.detach()}.items():
             stats.sums[k] = stats.sums.get(k, 0.0) + float((v * m).sum())
         stats.tokens += float(m.sum())
-    return finish_step(parts, rt, O.max_grad_norm, stats, total)
+        counted = m if sel is None else m * sel  # [m, Tc]
+        entropy_sums += torch.stack([(entropy.detach() * counted).sum(), counted.sum()]).cpu()
+    if not finish_step(parts, rt, O.max_grad_norm, stats, total):
+        return False
+    loss_fn.end_step(entropy_sums)
+    return True
 
 
 def finish_step(parts: Parts, rt: Runtime, max_grad_norm: float, stats: UpdateStats, total: float) -> bool:
@@ -222,6 +244,10 @@ def measure(parts: Parts, rt: Runtime, step: int, rollout: Rollout, batch: Batch
     elif rollout.num_rows:  # under data parallel, dynamic sampling may keep nothing on this rank alone
         metrics.update(rollout_metrics(rollout, batch.adv))
         metrics.update(reward_metrics(rollout, list(parts.reward_fns)))
+        if rollout.behaviour_logp is not None and batch.old_logp is not None:  # the engine's numbers vs the trainer's
+            c = parts.correction  # its bounds, where it has them
+            metrics.update(mismatch_metrics(batch.old_logp, rollout.behaviour_logp, rollout.completion_mask,
+                                            getattr(c, "c_min", 0.5), getattr(c, "c_max", 2.0) or float("inf")))
     if batch is not None and not stats.skipped:
         weights = parallel.global_weights(parts.aggregator, batch.mask)  # [N, Tc] every rank takes part
         if rollout.num_rows:
@@ -251,7 +277,7 @@ def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
         batch, stats = learn(run, rollout) if kept else (None, UpdateStats())
     metrics = measure(parts, rt, n, rollout, batch, stats, metrics)
     if n == cfg.steps or (cfg.eval.every and n % cfg.eval.every == 0):
-        run.progress.last_eval = evaluate(parts.engine, parts.tokenizer, parts.task, **eval_options(cfg))
+        run.progress.last_eval = evaluate(parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg))
         metrics.update(run.progress.last_eval)
     metrics = parallel.mean_metrics(metrics)
     rt.logger.log(n, metrics)  # metrics without a value (None) are left out

@@ -2,13 +2,17 @@
 
 Every loss shares the KL to a frozen reference (k1, k2, k3; in the loss or in the reward), an
 entropy bonus and DAPO's overlong filtering through `Regularised`; each subclass writes only its
-surrogate. PPO's clipped surrogate is GRPO's; GSPO, CISPO and SAPO change how the importance
-ratio enters.
+surrogate. PPO's clipped surrogate is GRPO's; GSPO, CISPO, SAPO, GMPO and VESPO change how the
+importance ratio enters; Clip-Cov and KL-Cov act on the tokens whose advantage and log-probability
+covary most. LUSPO is GSPO with `aggregator=seq_mean_token_sum` (`algo=luspo`).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from rlkit import parallel
 from rlkit.components import PolicyLoss
 from rlkit.types import Rollout
 
@@ -50,33 +54,100 @@ def _check_eps(eps_low: float, eps_high: float, low_max: float = 1.0) -> None:
 class Regularised(PolicyLoss):
     """What every loss can add to its surrogate: `beta` times a KL estimate to the reference, in
     the loss (GRPO) or subtracted from the per-token reward (PPO, RLOO); an entropy bonus; and
-    `drop_truncated` (DAPO's overlong filtering: completions that hit the budget get no loss)."""
+    `drop_truncated` (DAPO's overlong filtering: completions that hit the budget get no loss).
+
+    Options the peers ship: `kl_is_weighted` multiplies the KL term by pi_theta / pi_old (with
+    its gradient), the importance-weighted KL whose gradient is the reverse KL's under off-policy
+    samples (DeepSeek-V3.2, arXiv 2512.02556; TRL `use_bias_correction_kl`).
+    `top_entropy_quantile` rho < 1 keeps the policy term and the entropy bonus only on the
+    rollout's tokens whose entropy is at or above its (1 - rho) quantile (Wang et al. 2025, arXiv
+    2506.01939: the high-entropy "forking" 20%; TRL `top_entropy_quantile`); the threshold is taken
+    over the whole rollout under the policy that generated it, so every micro-batch split selects
+    the same tokens. `entropy_target` (not null) makes the entropy coefficient adaptive
+    (Skywork-OR1, arXiv 2505.22312; TRL `use_adaptive_entropy`): after each optimizer step the
+    coefficient rises by `entropy_coef_delta` when that step's mean entropy was <= target and falls
+    otherwise, within [entropy_coef_min, entropy_coef_max]; it applies only while the last mean
+    entropy was <= target, and starts at `entropy_coef`."""
 
     def __init__(self, beta: float = 0.0, kl_estimator: str = "k3", kl_placement: str = "loss",
-                 entropy_coef: float = 0.0, drop_truncated: bool = False):
+                 entropy_coef: float = 0.0, drop_truncated: bool = False, kl_is_weighted: bool = False,
+                 top_entropy_quantile: float = 1.0, entropy_target: float | None = None,
+                 entropy_coef_delta: float = 0.005, entropy_coef_min: float = 0.0, entropy_coef_max: float = 1.0):
         if beta < 0:
             raise ValueError(f"loss.beta must be >= 0, got {beta}")
         if kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"loss.kl_estimator must be one of k1, k2, k3, got {kl_estimator!r}")
         if kl_placement not in ("loss", "reward"):
             raise ValueError(f"loss.kl_placement must be 'loss' or 'reward', got {kl_placement!r}")
+        if not 0 < top_entropy_quantile <= 1:
+            raise ValueError(f"loss.top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+        if not 0 <= entropy_coef_min <= entropy_coef_max or entropy_coef_delta < 0:
+            raise ValueError("loss.entropy_coef_min <= loss.entropy_coef_max and loss.entropy_coef_delta >= 0 needed, "
+                             f"got {entropy_coef_min}, {entropy_coef_max}, {entropy_coef_delta}")
         self.beta, self.kl_estimator, self.entropy_coef = beta, kl_estimator, entropy_coef
-        self.kl_in_reward, self.entropy_grad = beta > 0 and kl_placement == "reward", entropy_coef != 0
-        self.drop_truncated = drop_truncated
+        self.kl_in_reward = beta > 0 and kl_placement == "reward"
+        self.entropy_grad = entropy_coef != 0 or entropy_target is not None
+        self.drop_truncated, self.kl_is_weighted = drop_truncated, kl_is_weighted
+        self.top_entropy_quantile, self.selects_tokens = top_entropy_quantile, top_entropy_quantile < 1
+        self.entropy_target, self.entropy_coef_delta = entropy_target, entropy_coef_delta
+        self.entropy_coef_range, self.last_entropy = (entropy_coef_min, entropy_coef_max), float("inf")
 
     def surrogate(self, logp, old_logp, adv, mask) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
 
-    def __call__(self, logp, old_logp, adv, mask, ref_logp=None, entropy=None) -> tuple[torch.Tensor, dict]:
+    def weighted_surrogate(self, logp, old_logp, adv, mask, is_weight) -> tuple[torch.Tensor, dict]:
+        """The surrogate times the off-policy correction's weights (None: no correction)."""
         loss, stats = self.surrogate(logp, old_logp, adv, mask)  # [n, Tc]
+        return (loss if is_weight is None else loss * is_weight), stats
+
+    def __call__(self, logp, old_logp, adv, mask, ref_logp=None, entropy=None, is_weight=None,
+                 select=None) -> tuple[torch.Tensor, dict]:
+        """`is_weight` [n, Tc]: the correction's weights; `select` [n, Tc]: the tokens the policy term
+        and the entropy bonus act on (top-entropy selection); None: all."""
+        loss, stats = self.weighted_surrogate(logp, old_logp, adv, mask, is_weight)  # [n, Tc]
+        if select is not None:
+            loss = loss * select
         if ref_logp is not None:
             kl = kl_estimate(logp, ref_logp, self.kl_estimator)  # [n, Tc]
             stats["kl"] = kl.detach()
             if not self.kl_in_reward:
-                loss = loss + self.beta * kl
-        if entropy is not None and self.entropy_coef:
-            loss = loss - self.entropy_coef * entropy
+                loss = loss + self.beta * (kl * torch.exp(logp - old_logp) if self.kl_is_weighted else kl)
+        coef = self.current_entropy_coef()
+        if entropy is not None and coef:
+            loss = loss - coef * (entropy if select is None else entropy * select)
         return loss, stats  # [n, Tc]
+
+    def current_entropy_coef(self) -> float:
+        adaptive = self.entropy_target is not None
+        return 0.0 if adaptive and self.last_entropy > self.entropy_target else self.entropy_coef
+
+    def end_step(self, entropy_sums: torch.Tensor) -> None:
+        """After an optimizer step whose selected tokens had entropy sum and count `entropy_sums` [2]
+        on this process: the adaptive coefficient's update (nothing when `entropy_target` is null)."""
+        if self.entropy_target is None:
+            return
+        total, count = parallel.total(entropy_sums).tolist()
+        entropy = total / max(count, 1.0)
+        delta = self.entropy_coef_delta if entropy <= self.entropy_target else -self.entropy_coef_delta
+        self.entropy_coef = min(max(self.entropy_coef + delta, self.entropy_coef_range[0]), self.entropy_coef_range[1])
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict:
+        return {"entropy_coef": self.entropy_coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:  # a checkpoint from before the loss kept state has none
+            self.entropy_coef, self.last_entropy = state["entropy_coef"], state["last_entropy"]
+
+    def token_selection(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The top-entropy tokens of the rollout (None when every token counts).  [N, Tc] -> [N, Tc]"""
+        if self.top_entropy_quantile >= 1:
+            return None
+        values = torch.cat(parallel.gather(entropy[mask.bool()].float().cpu()))  # every rank's tokens
+        if not len(values):
+            return torch.zeros_like(mask)
+        threshold = torch.quantile(values, 1 - self.top_entropy_quantile)
+        return ((entropy * mask >= threshold) & mask.bool()).float()
 
     def kl_penalty(self, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
         return self.beta * kl_estimate(old_logp, ref_logp, self.kl_estimator)  # [N, Tc]
@@ -158,3 +229,125 @@ class SAPO(Regularised):
         gate = torch.sigmoid(tau * (ratio - 1))  # [n, Tc]
         stats = {"ratio_dev": (ratio - 1).abs().detach(), "gate": (4 * gate * (1 - gate)).detach()}
         return -(4 / tau) * gate * adv, stats  # [n, Tc]
+
+
+def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's mean over its masked tokens.  [n, Tc] -> [n, 1]"""
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+class VESPO(Regularised):
+    """VESPO (arXiv 2602.10693, as TRL 1.16 implements it): no clip; each sequence's policy
+    gradient is scaled by a Gamma-shaped weight of its importance ratio, -phi(w) A log pi_theta,
+    phi(w) = exp(lambda) w^k exp(-lambda w) (phi(1) = 1, no gradient), w = prod_t pi_theta/pi_old
+    times the off-policy correction's weights (folded into w, not multiplied after). (k, lambda)
+    = (k_pos, lambda_pos) for A >= 0, (k_neg, lambda_neg) otherwise; log-ratios clamped to
+    [-20, 20] and log w to [log 1e-8, 20] as TRL. Pair with `aggregator=token_mean` (TRL's)."""
+
+    def __init__(self, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
+                 **regularise):
+        super().__init__(**regularise)
+        self.k_pos, self.lambda_pos, self.k_neg, self.lambda_neg = k_pos, lambda_pos, k_neg, lambda_neg
+
+    def weighted_surrogate(self, logp, old_logp, adv, mask, is_weight):
+        low = math.log(1e-8)
+        with torch.no_grad():
+            log_w = ((logp - old_logp).clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [n, 1]
+            if is_weight is not None:
+                log_w = log_w + (torch.log(is_weight).clamp(low, 20) * mask).sum(-1, keepdim=True)
+            log_w = log_w.clamp(low, 20)  # [n, 1]
+            pos = seq_mean(adv, mask) >= 0  # [n, 1]
+            k = torch.where(pos, self.k_pos, self.k_neg)  # [n, 1]
+            lam = torch.where(pos, self.lambda_pos, self.lambda_neg).clamp(min=1e-4)  # [n, 1]
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(0.0, 0.0, 0.0)  # [n, 1]
+        return -phi * adv * logp, {"phi": phi.expand_as(mask)}  # [n, Tc]
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        return self.weighted_surrogate(logp, old_logp, adv, mask, None)
+
+
+class GMPO(Regularised):
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673; verl `geo_mean`): the geometric mean of the token
+    ratios instead of their arithmetic mean, each log-ratio clipped at token level in a wider range:
+    -A_i exp(mean_t sgn(A) min(sgn(A) l_t, sgn(A) clip(l_t, -eps_low, eps_high))), l_t = log
+    pi_theta/pi_old, A_i the sequence's mean token advantage. The per-sequence loss is placed on each
+    of its tokens, so `aggregator=seq_mean_token_mean` gives the paper's mean over sequences. Clip
+    range (e^-0.4, e^0.4) as the paper."""
+
+    def __init__(self, eps_low: float = 0.4, eps_high: float = 0.4, **regularise):
+        super().__init__(**regularise)
+        _check_eps(eps_low, eps_high, low_max=float("inf"))
+        self.eps_low, self.eps_high = eps_low, eps_high
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        log_ratio = logp - old_logp  # [n, Tc]
+        sign = torch.sign(adv)  # [n, Tc]
+        clamped = log_ratio.clamp(-self.eps_low, self.eps_high)  # [n, Tc]
+        kept = sign * torch.min(sign * log_ratio, sign * clamped)  # [n, Tc]
+        ratio = torch.exp(seq_mean(kept, mask))  # [n, 1]
+        clipped = (log_ratio != clamped).detach()
+        stats = {"clip_frac_low": clipped & (adv < 0), "clip_frac_high": clipped & (adv > 0),
+                 "ratio_dev": (ratio.detach() - 1).abs().expand_as(mask)}
+        return (-seq_mean(adv, mask) * ratio).expand_as(mask) * mask, stats  # [n, Tc]
+
+
+def centred_cov(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each token's term of the covariance between advantage and log-probability over the masked
+    tokens, (A - mean A)(log pi - mean log pi), no gradient.  -> [n, Tc]"""
+    m = mask.bool()
+    lp = logp.detach()
+    return (adv - adv[m].mean()) * (lp - lp[m].mean())
+
+
+class ClipCov(PPOClip):
+    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617; verl `clip_cov`): PPO's clipped surrogate, and a
+    random `clip_cov_ratio` share of the tokens (at least one) whose covariance term lies in
+    (clip_cov_lb, clip_cov_ub) and whose ratio is not already clipped lose their gradient, which
+    slows the entropy collapse those high-covariance tokens drive. Like verl, the covariance and
+    the selection are computed over the tokens of one forward (the micro-batch)."""
+
+    def __init__(self, clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+                 **ppo):
+        super().__init__(**ppo)
+        if not 0 < clip_cov_ratio <= 1 or clip_cov_lb >= clip_cov_ub:
+            raise ValueError(f"loss.clip_cov_ratio must be in (0, 1] and clip_cov_lb < clip_cov_ub, got "
+                             f"{clip_cov_ratio}, {clip_cov_lb}, {clip_cov_ub}")
+        self.ratio, self.lb, self.ub = clip_cov_ratio, clip_cov_lb, clip_cov_ub
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        loss, stats = super().surrogate(logp, old_logp, adv, mask)  # [n, Tc]
+        ratio = torch.exp(logp - old_logp).detach()  # [n, Tc]
+        clipped = ratio.clamp(1 - self.eps_low, 1 + self.eps_high) * -adv > ratio * -adv  # [n, Tc]
+        cov = centred_cov(adv, logp, mask)  # [n, Tc]
+        candidates = ((cov > self.lb) & (cov < self.ub) & mask.bool() & ~clipped).nonzero()  # [c, 2]
+        n = max(int(self.ratio * float(mask.sum())), 1)
+        chosen = candidates[torch.randperm(len(candidates))[:n]]  # [<=n, 2]
+        keep = torch.ones_like(loss)
+        keep[chosen[:, 0], chosen[:, 1]] = 0
+        return loss * keep, {**stats, "cov_detached": 1 - keep}
+
+
+class KLCov(Regularised):
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617; verl `kl_cov`): the unclipped surrogate -r A, and on
+    the `kl_cov_ratio` share of tokens (at least one) with the largest covariance term an added
+    penalty `kl_coef` |log pi_theta - log pi_old|. Like verl, over the tokens of one forward."""
+
+    def __init__(self, kl_cov_ratio: float = 2e-4, kl_coef: float = 1.0, **regularise):
+        super().__init__(**regularise)
+        if not 0 < kl_cov_ratio <= 1 or kl_coef < 0:
+            raise ValueError(f"loss.kl_cov_ratio must be in (0, 1] and loss.kl_coef >= 0, got {kl_cov_ratio}, {kl_coef}")
+        self.ratio, self.kl_coef = kl_cov_ratio, kl_coef
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        log_ratio = logp - old_logp  # [n, Tc]
+        loss = -adv * torch.exp(log_ratio)  # [n, Tc]
+        m = mask.bool()
+        picked = torch.zeros_like(mask)
+        if m.any():
+            cov = centred_cov(adv, logp, mask)[m]  # [valid]
+            top = torch.topk(cov, max(1, int(len(cov) * self.ratio))).indices
+            flat = torch.zeros_like(cov)
+            flat[top] = 1
+            picked[m] = flat
+        loss = loss + picked * self.kl_coef * log_ratio.abs()
+        return loss, {"kl_cov_penalised": picked, "ratio_dev": (torch.exp(log_ratio.detach()) - 1).abs()}

@@ -103,3 +103,21 @@ def samples(r: Rollout, adv: torch.Tensor, per_group: int = 2, groups: int = 8) 
     rows = [g * r.group_size + i for g in range(min(groups, r.num_groups)) for i in range(min(per_group, r.group_size))]
     return [{"prompt": r.rows[i]["prompt"], "completion": r.texts[i], "reward": float(r.rewards[i] + r.shaping[i]),
              "advantage": float(seq_adv[i])} for i in rows]
+
+
+@torch.no_grad()
+def mismatch_metrics(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, c_min: float = 0.5,
+                     c_max: float = 2.0) -> dict:
+    """How far the engine's sampling distribution mu is from the trainer's pi_old on the sampled
+    tokens: k3 estimate of KL(mu || pi_old) (r - 1 - log r with r = pi_old/mu, samples from mu),
+    the ratio's mean, min and max, the mean |log r|, and the share of tokens with r outside
+    [c_min, c_max]. All zero when the engine's numbers are the trainer's."""
+    m = mask.bool()
+    log_r = (old_logp - behaviour_logp)[m]  # [tokens]
+    if not len(log_r):
+        return {}
+    r = torch.exp(log_r)
+    return {"offpolicy/k3": float((torch.expm1(log_r) - log_r).mean()), "offpolicy/ratio_mean": float(r.mean()),
+            "offpolicy/ratio_min": float(r.min()), "offpolicy/ratio_max": float(r.max()),
+            "offpolicy/abs_log_ratio": float(log_r.abs().mean()),
+            "offpolicy/outside_frac": float(((r < c_min) | (r > c_max)).float().mean())}

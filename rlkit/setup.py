@@ -15,7 +15,7 @@ from datasets import Dataset
 from omegaconf import DictConfig
 
 from rlkit import checkpoint, files, parallel
-from rlkit.components import (AdvantageEstimator, Aggregator, Critic, Engine, PolicyLoss, RewardFunction, Sampler,
+from rlkit.components import (AdvantageEstimator, Aggregator, Correction, Critic, Engine, PolicyLoss, RewardFunction, Sampler,
                               check, require)
 from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import evaluate
@@ -33,6 +33,7 @@ class Components:
     advantage: AdvantageEstimator
     aggregator: Aggregator
     loss: PolicyLoss
+    correction: Correction
     reward_fns: dict                     # name -> RewardFunction
     parallel: parallel.OneProcess        # how the processes share the model
 
@@ -48,7 +49,7 @@ def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Components:
         require(cfg.rollout.group_size >= cls.min_group_size,
                f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {cfg.rollout.group_size}")
     check(target_class(cfg, "engine"), Engine, "engine")
-    out = Components(build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss"),
+    out = Components(build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss"), build(cfg, "correction"),
                      {name: build(cfg, f"reward.functions.{name}") for name in cfg.reward.functions},
                      parallel.choose(cfg.parallel, rank, world))
     check_built(cfg, out)
@@ -63,6 +64,7 @@ def check_built(cfg: DictConfig, c: Components) -> None:
         check(target_class(cfg, "critic"), Critic, "critic")
     check(c.aggregator, Aggregator, "aggregator")
     check(c.loss, PolicyLoss, "loss")
+    check(c.correction, Correction, "correction")
     for name, fn in c.reward_fns.items():
         check(fn, RewardFunction, f"reward.functions.{name}")
         weight = fn.weight
@@ -114,7 +116,7 @@ def build_parts(cfg: DictConfig, c: Components, device: torch.device, stop) -> t
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
     sampler = build(cfg, "sampler", dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
     engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
-    return Parts(task, model, policy, tokenizer, engine, ref, critic, c.advantage, c.aggregator, c.loss, c.reward_fns,
+    return Parts(task, model, policy, tokenizer, engine, ref, critic, c.advantage, c.aggregator, c.loss, c.correction, c.reward_fns,
                  sampler, optimizer, schedule), warm
 
 
@@ -152,7 +154,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components 
             {"choices": run_info.get("choices", {}), "config": resolved(cfg), "warm_start": warm, "processes": world,
              "parallel": type(c.parallel).__name__, "hardware": hardware(device)}, indent=1))
     p = run.progress
-    p.first_eval = p.first_eval or evaluate(parts.engine, parts.tokenizer, parts.task, **eval_options(cfg))
+    p.first_eval = p.first_eval or evaluate(parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg))
     p.last_eval = p.last_eval or p.first_eval
     if p.start == 0:
         run.runtime.logger.log(0, p.first_eval)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from rlkit.components import AdvantageEstimator, Aggregator, Critic, Engine, Model, PolicyLoss, Sampler
+from rlkit.components import AdvantageEstimator, Aggregator, Correction, Critic, Engine, Model, PolicyLoss, Sampler
 
 
 class Timer(dict):
@@ -38,6 +38,7 @@ class Parts:
     advantage: AdvantageEstimator
     aggregator: Aggregator
     loss: PolicyLoss
+    correction: Correction
     reward_fns: dict                     # name -> RewardFunction; {} = the task's own reward
     sampler: Sampler
     optimizer: torch.optim.Optimizer

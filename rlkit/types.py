@@ -21,6 +21,8 @@ class Generation(NamedTuple):
     completion_ids: torch.Tensor   # [N, Tc] right-padded with the pad id
     completion_mask: torch.Tensor  # [N, Tc] 1 on completion tokens, EOS included
     truncated: torch.Tensor        # [N] bool, no EOS within the budget
+    logprobs: torch.Tensor | None = None  # [N, Tc] the engine's own log-probs of the sampled tokens (at the
+                                          # sampling temperature); None: an engine whose numbers are the trainer's
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Rollout:
     step_rewards: torch.Tensor | None = None   # [N, Tc] reward of the step ending at each token (process)
     step_mask: torch.Tensor | None = None      # [N, Tc] 1 where a step ends
     reward_parts: torch.Tensor | None = None   # [N, K] each reward function's score, before combining
+    behaviour_logp: torch.Tensor | None = None  # [N, Tc] log-probs the engine sampled with (Generation.logprobs)
 
     def __post_init__(self):
         if self.shaping is None and self.rewards is not None:

@@ -56,6 +56,15 @@ class RemoteLikeEngine:
         self.model.load_state_dict(policy.state_dict())
         RemoteLikeEngine.syncs += 1
 
+    def latest(self):  # evaluation: its copy is synced after every update, so it is the trainer's policy
+        return self
+
+    def state_dict(self):  # nothing of its own to checkpoint (the copy is the policy's weights)
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
 
 class OldStylePlugin:
     """An estimator that declares only some of the Protocol's attributes."""

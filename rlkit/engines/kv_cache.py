@@ -60,11 +60,13 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, min_new_tokens: int = 0, lean: bool = True) -> Generation:
+             top_p: float = 1.0, min_new_tokens: int = 0, lean: bool = True, logprobs: bool = False) -> Generation:
     """Sample one completion per prompt with a KV cache; each row stops at its EOS (never before
     `min_new_tokens`) and leaves the batch soon after (once an eighth of the rows present have
     finished). temperature 0 is greedy. `lean=False` forces the model's own forward
-    (`rlkit.engines.decoders.HFForward`) for architectures the lean decoder supports."""
+    (`rlkit.engines.decoders.HFForward`) for architectures the lean decoder supports. `logprobs`:
+    also return each sampled token's log-probability under softmax(logits / temperature), the
+    distribution the trainer's log-probs measure (top-p not applied)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [N, Tp]
     N = prompt_ids.shape[0]
@@ -73,6 +75,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     logits = dec.prefill()  # [N, V]
     tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
     alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]
+    lp = torch.zeros(N, max_new_tokens, device=device) if logprobs else None  # [N, Tmax]
     done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
     rows = torch.arange(N, device=device)  # [n] the original rows still in the batch
     fin = torch.zeros_like(done)  # [n] finished rows still in the batch
@@ -82,6 +85,9 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             logits[:, eos] = float("-inf")
         tok = torch.where(fin, pad, _sample(logits, temperature, top_p))  # [n]
         tokens[rows, t], alive[rows, t] = tok, (~fin).long()
+        if lp is not None:
+            picked = torch.log_softmax(logits / temperature, -1).gather(-1, tok[:, None])[:, 0]  # [n]
+            lp[rows, t] = torch.where(fin, 0.0, picked)
         fin, T = fin | (tok == eos), t + 1
         n_fin = int(fin.sum())
         if n_fin == len(rows):
@@ -93,4 +99,4 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             rows, tok, fin = rows[keep], tok[keep], fin[keep]
         logits = dec.step(tok)  # [n, V]
     done[rows[fin]] = True
-    return Generation(prompt_ids, prompt_mask, tokens[:, :T], alive[:, :T], ~done)
+    return Generation(prompt_ids, prompt_mask, tokens[:, :T], alive[:, :T], ~done, None if lp is None else lp[:, :T])
