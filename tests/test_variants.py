@@ -23,7 +23,10 @@ def test_every_group_has_the_documented_options():
     assert options("advantage") == ["dr_grpo", "gae", "grpo", "process", "rloo"]
     assert options("aggregator") == ["seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_mean"]
     assert options("sampler") == ["dapo", "uniform"]
-    assert options("algo") == ["dapo", "dr_grpo", "grpo", "ppo", "rloo"]
+    assert options("algo") == ["dapo", "dr_grpo", "grpo", "luspo", "ppo", "rloo"]
+    assert options("loss") == ["cispo", "clip_cov", "gmpo", "gspo", "kl_cov", "ppo_clip", "sapo", "vespo"]
+    assert options("correction") == ["mis", "none", "opsm", "seq_mis", "seq_tis", "tis"]
+    assert options("engine") == ["kv_cache", "off_policy"]
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +34,15 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("warm"))
 
 
-CASES = [f"algo={a}" for a in options("algo")] + [f"{g}={o}" for g in ("advantage", "aggregator", "sampler")
-                                                   for o in options(g)]
+OFF_POLICY = "engine=off_policy engine.staleness=1 engine.dtype=bfloat16 optim.mini_batches=2"  # corrections act
+CASES = ([f"algo={a}" for a in options("algo")] + [f"{g}={o}" for g in ("advantage", "aggregator", "sampler", "loss")
+                                                    for o in options(g)]
+         + [f"correction={o} {OFF_POLICY}" for o in options("correction")])
 
 
-@pytest.mark.parametrize("override", CASES)
-def test_runs_two_steps(override, cache, tmp_path):
-    summary = run(make_cfg([override, "eval.every=0", "checkpoint.every=0"], cache_dir=cache), str(tmp_path))
+@pytest.mark.parametrize("overrides", CASES)
+def test_runs_two_steps(overrides, cache, tmp_path):
+    summary = run(make_cfg([*overrides.split(), "eval.every=0", "checkpoint.every=0"], cache_dir=cache), str(tmp_path))
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2] and summary["steps"] == 2
     assert all("train/loss" in l or "train/skipped_empty_batch" in l for l in lines[1:])
