@@ -123,8 +123,8 @@ def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, r
                                       reward.timeout_s)  # [N], [N, K]
         if reward.shuffle:
             rewards = rewards[torch.randperm(len(rewards))]  # [N] the control: rewards unrelated to completions
-        r = Rollout(*gen[:5], G, rows, texts, rewards.to(rt.device), reward_parts=reward_parts,
-                    behaviour_logp=gen.logprobs)
+        r = Rollout.from_generation(gen, G, rows=rows, texts=texts, rewards=rewards.to(rt.device),
+                                    reward_parts=reward_parts)
         if reward.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, reward.overlong_cache)  # [N]
         if parts.advantage.needs_step_rewards:

@@ -47,6 +47,11 @@ class Rollout:
         if self.shaping is None and self.rewards is not None:
             self.shaping = torch.zeros_like(self.rewards)
 
+    @classmethod
+    def from_generation(cls, gen: Generation, group_size: int, **fields) -> "Rollout":
+        """A rollout of an engine's output; the engine's own log-probs become `behaviour_logp`."""
+        return cls(*gen[:5], group_size, behaviour_logp=gen.logprobs, **fields)
+
     @property
     def num_rows(self) -> int:
         return self.prompt_ids.shape[0]

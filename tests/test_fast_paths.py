@@ -175,7 +175,7 @@ def test_packed_log_probs_under_lora_and_for_the_adapters_off_reference():
 def test_micro_batches_cover_every_row_once_within_the_limits():
     model, tok = tiny_qwen2()
     g = sampled(model, tok, n=12)
-    r = Rollout(*g, group_size=4)
+    r = Rollout.from_generation(g, group_size=4)
     rows = torch.tensor([3, 7, 1, 0, 12, 20, 21, 22, 5])
     plen, clen = r.prompt_mask.sum(-1), r.completion_mask.sum(-1)
     for max_rows, max_tokens in ((0, 0), (2, 0), (0, 40), (3, 30), (0, 1)):
