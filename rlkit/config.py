@@ -52,6 +52,8 @@ class OptimConfig:
     micro_batch_tokens: int = 0      # padded tokens per forward/backward, 0 = no limit; rows of similar length
                                      # go together and each micro-batch is trimmed to its longest row
     max_nonfinite: int = 3           # stop after this many updates in a row skipped for NaN/inf
+    share_prefix: bool = True        # training forwards compute each distinct prompt of a micro-batch once, its
+                                     # completions attending to it (Llama-family models; others run every row)
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """Training log-probs: the policy (or reference) run forward over prompt + completion with no
 compute spent on padding. Llama-family models run on packed rows (`pack`, `packed_hidden`: the
-rows' real tokens side by side, positions restarting at each sequence), others on the
+rows' real tokens side by side, positions restarting at each sequence), or with each distinct
+prompt computed once and its completions attending to it (`shared_hidden`); others on the
 micro-batch trimmed to its longest row (`trimmed_inputs`); logits are computed only where a
 completion token is predicted."""
 from __future__ import annotations
 
 import heapq
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -80,7 +82,8 @@ def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   entropy: str = "none", packed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy: str = "none", packed: bool = True, share: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens. No compute is spent on padding: Llama-family models
     run on packed rows (`packed_hidden`), others on the micro-batch trimmed to its longest row
     (`trimmed_inputs`); logits are computed only where a completion token is predicted and never
@@ -88,8 +91,10 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     or "grad" (for an entropy bonus). Returns logp [N, Tc] and entropy [N, Tc] or None (zeros on
     padding)."""
     parts = causal_parts(model) if packed else None
+    shared = share and shares_prefix(model, prompt_ids)
     if parts is not None:
-        hidden, where = packed_hidden(*parts, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [K, H]
+        forward = shared_hidden if shared else packed_hidden
+        hidden, where = forward(*parts, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [K, H]
         logits = parts[1](hidden).float()  # [K, V]
     else:
         ids, mask, pos, tc = trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -141,6 +146,88 @@ def packed_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
     return hidden[bins[where[0]], before], where
 
 
-def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none"):
+def shared_layout(prompt_ids, prompt_mask, completion_mask):
+    """Where each token goes when every distinct prompt of the rows is computed once: a segment per
+    prompt, [prompt | completion of each row that has it], segments packed into rows (`pack`).
+    -> (B, W, per row: packed row, segment start, start of its completion in the segment, prompt
+    length) as lists"""
+    _, owner = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [n] which distinct prompt each row has
+    owner, plen, clen = owner.tolist(), prompt_mask.sum(-1).tolist(), completion_mask.sum(-1).tolist()
+    seg_len, start = {}, [0] * len(owner)
+    for i, u in enumerate(owner):  # rows in order; a segment grows by each of its rows' completion
+        seg_len.setdefault(u, plen[i])
+        start[i], seg_len[u] = seg_len[u], seg_len[u] + clen[i]
+    segs = sorted(seg_len)
+    bins, offset, B = pack([seg_len[u] for u in segs], max(seg_len.values()))
+    where = {u: (bins[j], offset[j]) for j, u in enumerate(segs)}
+    return B, max(seg_len.values()), [where[u][0] for u in owner], [where[u][1] for u in owner], start, plen, owner
+
+
+def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """`packed_hidden` with each distinct prompt computed once: its rows' completions follow it in
+    one segment and attend to it through a shared-prefix mask (a completion sees the prompt and its
+    own earlier tokens; position ids continue from the prompt), so a group of G completions costs
+    prompt + G x completion tokens instead of G x (prompt + completion). Same hidden states as the
+    unshared forward (to float rounding).  -> hidden [K, H] and `where` of the K completion tokens"""
+    dev, Tp = prompt_ids.device, prompt_ids.shape[1]
+    B, W, row, seg0, start, plen, owner = shared_layout(prompt_ids, prompt_mask, completion_mask)
+    ids = torch.zeros(B, W, dtype=prompt_ids.dtype, device=dev)  # [B, W]
+    pos = torch.zeros(B, W, dtype=torch.long, device=dev)  # [B, W]
+    seg = -1 - torch.arange(B * W, device=dev).view(B, W)  # [B, W] fillers: a segment each
+    branch = torch.zeros(B, W, dtype=torch.long, device=dev)  # [B, W] 0: prompt, i + 1: row i's completion
+    first = {}
+    for i, u in enumerate(owner):
+        b, o, p = row[i], seg0[i], plen[i]
+        if u not in first:  # the prompt, once
+            first[u] = i
+            ids[b, o:o + p], pos[b, o:o + p], seg[b, o:o + p] = prompt_ids[i, Tp - p:], torch.arange(p, device=dev), u
+        c = int(completion_mask[i].sum())
+        span = slice(o + start[i], o + start[i] + c)
+        ids[b, span], pos[b, span] = completion_ids[i, :c], torch.arange(p, p + c, device=dev)
+        seg[b, span], branch[b, span] = u, i + 1
+    col = torch.arange(W, device=dev)
+    allowed = ((seg[:, :, None] == seg[:, None, :]) & (col[None, None, :] <= col[None, :, None])
+               & ((branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])))  # [B, W(query), W(key)]
+    with context:
+        hidden = body(input_ids=ids, position_ids=pos, attention_mask=attention_mask(body, allowed),
+                      use_cache=False).last_hidden_state  # [B, W, H]
+    where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each
+    r, t = where
+    rows, seg0_t, start_t, plen_t = (torch.tensor(x, device=dev)[r] for x in (row, seg0, start, plen))  # [K] each
+    before = torch.where(t == 0, seg0_t + plen_t - 1, seg0_t + start_t + t - 1)  # [K] the column predicting it
+    return hidden[rows, before], where
+
+
+def attention_mask(body, allowed: torch.Tensor) -> torch.Tensor:
+    """A prepared 4D mask from `allowed` [B, W, W] in the form the model's attention takes: boolean
+    for SDPA, additive for the eager implementation.  -> [B, 1, W, W]"""
+    if body.config._attn_implementation == "sdpa":
+        return allowed[:, None]
+    dtype = body.embed_tokens.weight.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)[:, None]
+
+
+_UNSHARED: set = set()  # model classes already reported as running without a shared prefix
+
+
+def shares_prefix(model, prompt_ids) -> bool:
+    """Whether the shared-prefix forward applies: a Llama-family model with SDPA or eager attention
+    (not sharded), and rows that repeat a prompt. A model it cannot apply to runs every row in
+    full, and says so once."""
+    parts = causal_parts(model)
+    if parts is None or parts[0].config._attn_implementation not in ("sdpa", "eager"):
+        name = type(base_model(model)).__name__
+        if name not in _UNSHARED:
+            _UNSHARED.add(name)
+            print(f"rlkit: optim.share_prefix: {name} runs every row's prompt in full (the shared prefix needs a "
+                  "Llama-family model with SDPA or eager attention, not sharded)", file=sys.stderr)
+        return False
+    return len(prompt_ids) > 1 and len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
+
+
+def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none", share: bool = False):
+    """Log-probs (and entropies) of a rollout's completions; `share`: each distinct prompt
+    computed once where the model allows it (`shared_hidden`), otherwise the packed forward."""
     return token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                          temperature, entropy)
+                          temperature, entropy, share=share)

@@ -139,12 +139,14 @@ def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollou
     """`O`: the optim config (epochs, mini- and micro-batches); `temperature`: the rollout's."""
     loss = parts.loss
     rows = micro_batches(rollout, torch.arange(rollout.num_rows), O.micro_batch_size, O.micro_batch_tokens)
-    logp = lambda model: lambda r: rollout_logprobs(model, r, temperature)[0]  # noqa: E731
+    share = O.share_prefix
+    logp = lambda model: lambda r: rollout_logprobs(model, r, temperature, share=share)[0]  # noqa: E731
     # old log-probs come free from the update itself unless the rollout is reused, the KL sits in the
     # reward, the engine's numbers are not the trainer's, or the loss selects tokens by their entropy
     reuse = (O.epochs == 1 and O.mini_batches == 1 and not loss.kl_in_reward and parts.engine.exact_logprobs
              and not loss.selects_tokens)
-    old = lambda r: rollout_logprobs(parts.policy, r, temperature, "metric" if loss.selects_tokens else "none")  # noqa: E731
+    old = lambda r: rollout_logprobs(parts.policy, r, temperature, "metric" if loss.selects_tokens else "none",  # noqa: E731
+                                     share=share)
     with rt.timer("logprob"):
         ref_logp = batched(logp(parts.ref), rollout, rows) if parts.ref is not None else None  # [N, Tc]
         old_logp, entropy = (None, None) if reuse else batched(old, rollout, rows, outputs=2)  # [N, Tc] each
@@ -193,8 +195,8 @@ def policy_step(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, ba
     for micro in micro_batches(batch.rollout, rows, O.micro_batch_size, O.micro_batch_tokens):
         idx = rows[micro]  # [m]
         r, m, adv = batch.rollout.select_rows(idx), batch.mask[idx], batch.adv[idx]  # [m, Tc] each
-        logp, entropy = rollout_logprobs(parts.policy, r, temperature,
-                                         "grad" if loss_fn.entropy_grad else "metric")  # [m, Tc] each
+        logp, entropy = rollout_logprobs(parts.policy, r, temperature, "grad" if loss_fn.entropy_grad else "metric",
+                                         share=O.share_prefix)  # [m, Tc] each
         old = logp.detach() if batch.old_logp is None else batch.old_logp[idx]  # [m, Tc]
         behaviour = old if r.behaviour_logp is None else r.behaviour_logp  # [m, Tc] what the engine sampled with
         is_weight, corrected = parts.correction(logp.detach(), old, behaviour, adv, m)  # [m, Tc]

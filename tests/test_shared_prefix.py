@@ -1,0 +1,95 @@
+"""Each group's prompt computed once: the shared-prefix forward gives the log-probs, entropies and
+gradients of the unshared one, for groups of different prompt lengths, groups of one, any
+micro-batch split and LoRA; a model it cannot apply to runs unshared and says so once."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from rlkit import logprobs
+from rlkit.engines.kv_cache import generate
+from rlkit.logprobs import shared_layout, token_logprobs
+from rlkit.models import TinyQwen2
+
+PROMPTS = ["12+3=", "1+2+34+5=", "7=", "40+1+1="]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return TinyQwen2(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128).build(
+        "0123456789+=", 0)
+
+
+def rollout(model, group_sizes):
+    policy, tok = model
+    prompts = [p for p, g in zip(PROMPTS, group_sizes) for _ in range(g)]
+    torch.manual_seed(1)
+    return generate(policy, tok, prompts, 12)[:4]  # prompt ids and mask, completion ids and mask
+
+
+def forward_backward(policy, g, share, rows=None):
+    """Log-probs, entropies and the gradient of sum(logp + 0.1 entropy) over `rows` (default all)."""
+    policy.zero_grad()
+    rows = torch.arange(len(g[0])) if rows is None else rows
+    logp, ent = token_logprobs(policy, *(t[rows] for t in g), temperature=0.7, entropy="grad", share=share)
+    (logp.sum() + 0.1 * ent.sum()).backward()
+    return logp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
+
+
+def assert_close(a, b):
+    """Within 1e-5 of the reference's size (a gradient's norm; per element for log-probs)."""
+    if a.dim() == 1:  # a flattened gradient
+        assert float((a - b).norm() / a.norm()) < 1e-5, float((a - b).norm() / a.norm())
+    else:
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("groups", [(4, 4, 4, 4), (1, 1, 1, 1), (3, 1, 5, 2)])
+def test_shared_and_unshared_forwards_agree(model, groups):
+    g = rollout(model, groups)
+    for a, b in zip(forward_backward(model[0], g, False), forward_backward(model[0], g, True)):
+        assert_close(a, b)
+
+
+def test_each_distinct_prompt_is_laid_out_once(model):
+    g = rollout(model, (3, 1, 5, 2))
+    B, W, row, seg0, start, plen, owner = shared_layout(g[0], g[1], g[3])
+    prompt_tokens = sum(len(p) for p in PROMPTS)  # the character tokenizer: a token per character
+    completion_tokens = int(g[3].sum())
+    assert len(set(owner)) == 4 and sum(plen[owner.index(u)] for u in set(owner)) == prompt_tokens
+    assert B * W >= prompt_tokens + completion_tokens and W <= max(p for p in plen) + 5 * 12
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.permutations(range(11)), st.integers(1, 10))
+def test_any_micro_batch_split_gives_the_same_gradient(model, order, cut):
+    """Rows of a group split across micro-batches share within each; the summed gradient is the same."""
+    g = rollout(model, (3, 1, 5, 2))
+    whole = forward_backward(model[0], g, False)[2]
+    order = torch.tensor(order)
+    grads = [forward_backward(model[0], g, True, rows)[2] for rows in (order[:cut], order[cut:])]
+    assert_close(whole, grads[0] + grads[1])
+
+
+def test_lora_adapters_get_the_same_gradient(model, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    import copy
+    policy = get_peft_model(copy.deepcopy(model[0]), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8))
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # lora_B starts at zero; give the adapters an effect
+    g = rollout(model, (4, 4, 4, 4))
+    for a, b in zip(forward_backward(policy, g, False), forward_backward(policy, g, True)):
+        assert_close(a, b)
+
+
+def test_a_model_it_cannot_apply_to_runs_unshared_and_says_so_once(model, capsys):
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=model[0].config.vocab_size, n_embd=32, n_layer=1, n_head=2)).eval()
+    g = rollout(model, (2, 2, 2, 2))
+    logprobs._UNSHARED.discard("GPT2LMHeadModel")
+    a = token_logprobs(gpt2, *g, share=True)[0]
+    token_logprobs(gpt2, *g, share=True)
+    assert torch.equal(a, token_logprobs(gpt2, *g, share=False)[0])
+    assert capsys.readouterr().err.count("GPT2LMHeadModel runs every row's prompt in full") == 1
