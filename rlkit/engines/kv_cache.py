@@ -61,18 +61,25 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, min_new_tokens: int = 0, lean: bool = True, logprobs: bool = False) -> Generation:
-    """Sample one completion per prompt with a KV cache; each row stops at its EOS (never before
+    """Sample one completion per prompt with a KV cache (a prompt given several times is prefilled
+    once and its cache copied to each of its rows); each row stops at its EOS (never before
     `min_new_tokens`) and leaves the batch soon after (once an eighth of the rows present have
     finished). temperature 0 is greedy. `lean=False` forces the model's own forward
     (`rlkit.engines.decoders.HFForward`) for architectures the lean decoder supports. `logprobs`:
     also return each sampled token's log-probability under softmax(logits / temperature), the
     distribution the trainer's log-probs measure (top-p not applied)."""
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts))  # [N, Tp]
-    N = prompt_ids.shape[0]
+    distinct = list(dict.fromkeys(prompts))  # a group's prompt is prefilled once, its KV cache copied to its rows
+    prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, distinct))  # [U, Tp]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     dec = (decoder if lean else HFForward)(model, prompt_ids, prompt_mask, max_new_tokens)
-    logits = dec.prefill()  # [N, V]
+    logits = dec.prefill()  # [U, V]
+    if len(distinct) < len(prompts):
+        index = {p: i for i, p in enumerate(distinct)}
+        copies = torch.tensor([index[p] for p in prompts], device=device)  # [N]
+        dec.keep(copies)
+        logits, prompt_ids, prompt_mask = logits[copies], prompt_ids[copies], prompt_mask[copies]  # [N, ...]
+    N = prompt_ids.shape[0]
     tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
     alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]
     lp = torch.zeros(N, max_new_tokens, device=device) if logprobs else None  # [N, Tmax]
