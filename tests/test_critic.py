@@ -14,7 +14,7 @@ def test_critic_copies_the_backbone_and_starts_at_zero():
     critic = build_critic(policy)
     for name, p in policy.base_model.state_dict().items():
         assert torch.equal(p, critic.base_model.state_dict()[name])
-    pid, pmask, cid, cmask, tr = generate(policy, tok, ["1+2=", "3+4+5="], 5)
+    pid, pmask, cid, cmask, tr = generate(policy, tok, ["1+2=", "3+4+5="], 5)[:5]
     values = token_values(critic, Rollout(pid, pmask, cid, cmask, tr, 1))
     assert values.shape == cid.shape and not values.any()
     critic.score.weight.data.fill_(0.1)

@@ -22,7 +22,7 @@ PROMPTS = ["1+2=", "13+4+5=", "7+7=", "9+1+0+3="]  # different lengths -> left p
 def test_masks_include_eos_and_stop_per_row(model_tok):
     model, tok = model_tok
     torch.manual_seed(0)
-    _, _, ids, mask, truncated = generate(model, tok, PROMPTS * 8, max_new_tokens=10)
+    _, _, ids, mask, truncated = generate(model, tok, PROMPTS * 8, max_new_tokens=10)[:5]
     eos = tok.eos_token_id
     for row, m, tr in zip(ids.tolist(), mask.tolist(), truncated.tolist()):
         n = sum(m)
@@ -36,7 +36,7 @@ def test_masks_include_eos_and_stop_per_row(model_tok):
 
 def test_greedy_with_cache_matches_full_forward_without_cache(model_tok):
     model, tok = model_tok
-    _, _, ids, mask, _ = generate(model, tok, PROMPTS, max_new_tokens=6, temperature=0)
+    _, _, ids, mask, _ = generate(model, tok, PROMPTS, max_new_tokens=6, temperature=0)[:5]
     for p, row, m in zip(PROMPTS, ids, mask):
         seq = tok(p, return_tensors="pt")["input_ids"]  # unpadded, no cache
         for _ in range(int(m.sum())):
@@ -48,7 +48,7 @@ def test_greedy_with_cache_matches_full_forward_without_cache(model_tok):
 def test_logprobs_match_log_softmax_of_unpadded_sequence(model_tok):
     model, tok = model_tok
     torch.manual_seed(1)
-    pid, pmask, cid, cmask, _ = generate(model, tok, PROMPTS, max_new_tokens=5, temperature=0.7)
+    pid, pmask, cid, cmask, _ = generate(model, tok, PROMPTS, max_new_tokens=5, temperature=0.7)[:5]
     logp, ent = token_logprobs(model, pid, pmask, cid, cmask, temperature=0.7, entropy="metric")  # [N, Tc]
     for i, p in enumerate(PROMPTS):
         n = int(cmask[i].sum())
@@ -68,7 +68,7 @@ def test_top_p_tiny_keeps_only_the_argmax(model_tok):
 def test_micro_batches_give_the_full_batch_gradient(model_tok):
     model, tok = model_tok
     torch.manual_seed(2)
-    pid, pmask, cid, cmask, _ = generate(model, tok, PROMPTS * 2, max_new_tokens=6)
+    pid, pmask, cid, cmask, _ = generate(model, tok, PROMPTS * 2, max_new_tokens=6)[:5]
     adv = torch.randn(8, 1) * cmask  # [N, Tc]
     w = SeqMeanTokenMean().token_weights(cmask)
 
@@ -87,7 +87,7 @@ def test_rollout_cat_and_select_groups(model_tok):
     model, tok = model_tok
     parts = []
     for prompts in (PROMPTS[:2], PROMPTS[2:]):
-        pid, pmask, cid, cmask, tr = generate(model, tok, [p for p in prompts for _ in range(2)], 4 + len(parts))
+        pid, pmask, cid, cmask, tr = generate(model, tok, [p for p in prompts for _ in range(2)], 4 + len(parts))[:5]
         parts.append(Rollout(pid, pmask, cid, cmask, tr, 2, texts=[p for p in prompts for _ in range(2)],
                              rewards=torch.arange(4.0) + 10 * len(parts)))
     r = Rollout.cat(parts)
@@ -102,7 +102,7 @@ def test_rollout_cat_and_select_groups(model_tok):
 
 def test_entropy_carries_a_gradient_only_when_asked(model_tok):
     model, tok = model_tok
-    pid, pmask, cid, cmask, _ = generate(model, tok, PROMPTS, max_new_tokens=4)
+    pid, pmask, cid, cmask, _ = generate(model, tok, PROMPTS, max_new_tokens=4)[:5]
     _, metric = token_logprobs(model, pid, pmask, cid, cmask, entropy="metric")
     assert not metric.requires_grad
     _, ent = token_logprobs(model, pid, pmask, cid, cmask, entropy="grad")
