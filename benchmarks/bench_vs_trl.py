@@ -17,8 +17,15 @@ sides: every row is T tokens).
 
 Prints, per size and mode: median step time, the phase split, peak memory of each side and the
 ratio rlkit/TRL (below 1: rlkit is faster). Peak memory on CPU is the process's peak resident set
-during that side's step (reset before each step through /proc/self/clear_refs); on CUDA, the peak
-allocated memory.
+during that side's step (reset before each step through /proc/self/clear_refs), and the step's
+own part of it (peak minus the resident set when the step began: activations and temporaries);
+on CUDA, the peak allocated memory and its rise during the step.
+
+A third side, rlkit with `optim.share_prefix=false`, runs in the same alternation, so the
+shared-prefix forward is measured against the unshared one and against TRL. Long prompts:
+`--context C` puts C characters of solved examples before every question (a few-shot prompt):
+
+    python benchmarks/bench_vs_trl.py --sizes 10m --modes fixed --context 256 --group 16 --max-new 64
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ from rlkit.types import Rollout
 from rlkit.setup import setup
 from rlkit.loop import collect, learn
 
+MODELS: list = []  # every side's models, whose parameters `peak_memory` does not count as activations
 SIZES = {  # the testbed's Qwen2 at two sizes
     "1m": ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
            "model.intermediate_size=384"],
@@ -59,6 +67,15 @@ def rlkit_state(overrides: list[str], run_dir: str, prompts: int, group: int, ma
         cfg = compose(config_name="config", overrides=[*shared, *overrides])
     state = setup(cfg, run_dir, {}, stop=StopSignals())
     return state
+
+
+def with_context(task, chars: int) -> None:
+    """Every training prompt preceded by `chars` characters of other rows' solved examples
+    ("a=b;" each, cut to length): the same long prompt layout for both sides."""
+    rows = list(task.train)
+    solved = "".join(f"{r['prompt']}{r['answer']};" for r in rows[:200])
+    task.train = Dataset.from_list([{**r, "prompt": (solved * 2)[i % 100:i % 100 + chars] + r["prompt"]}
+                                    for i, r in enumerate(rows)])
 
 
 def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
@@ -154,18 +171,30 @@ def equal_maths(state, trainer) -> dict:
 # ---- timing -------------------------------------------------------------------------------------------------------
 
 @contextmanager
-def peak_memory(device: torch.device, out: list):
-    """Peak memory (MB) while the block runs: CUDA peak allocated, else the process's peak resident set."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        yield
-        out.append(torch.cuda.max_memory_allocated(device) / 2**20)
-        return
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM, the peak resident set
-    yield
-    with open("/proc/self/status") as f:
-        out.append(next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024)
+def peak_memory(device: torch.device, out: list, activations: list):
+    """Peak memory (MB) while the block runs, into `out` (CUDA peak allocated, else the process's
+    peak resident set), and the activation memory, into `activations`: the bytes of every tensor
+    autograd saved for a backward pass during the block, parameters aside (the same count on any
+    device, which a CPU's resident set cannot give: freed memory stays resident)."""
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            yield
+            out.append(torch.cuda.max_memory_allocated(device) / 2**20)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM, the peak resident set
+            yield
+            with open("/proc/self/status") as f:
+                out.append(next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024)
+    params = {p.untyped_storage().data_ptr() for m in MODELS for p in m.parameters()}
+    activations.append(sum(n for ptr, n in saved.items() if ptr not in params) / 2**20)
 
 
 def timed(fn, phases: dict, name: str):
@@ -196,7 +225,7 @@ class Side:
     """Per-step times, phase splits, peaks and generated-token counts of one side."""
 
     def __init__(self):
-        self.steps, self.phases, self.peaks, self.tokens = [], [], [], []
+        self.steps, self.phases, self.peaks, self.activations, self.tokens = [], [], [], [], []
 
     def summary(self, warmup: int) -> dict:
         keep = slice(warmup, None)
@@ -206,31 +235,41 @@ class Side:
         split["update"] = statistics.median(s - sum(p.get(k, 0.0) for k in ("generate", "score", "logprob"))
                                             for s, p in zip(steps, self.phases[keep]))
         return {"step": statistics.median(steps), "split": split, "peak": max(self.peaks[keep]),
-                "tokens": statistics.mean(self.tokens[keep])}
+                "activations": max(self.activations[keep]), "tokens": statistics.mean(self.tokens[keep])}
+
+
+def rlkit_step(state, side: "Side") -> None:
+    """One rlkit step, timed, its phases and peak memory recorded in `side`."""
+    state.runtime.timer.clear()
+    with peak_memory(state.runtime.device, side.peaks, side.activations):
+        t0 = time.perf_counter()
+        rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
+        learn(state, rollout)
+        side.steps.append(time.perf_counter() - t0)
+    side.phases.append(dict(state.runtime.timer))
+    side.tokens.append(float(rollout.completion_mask.sum()))
 
 
 def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group: int, max_new: int,
-            extra: list[str] = ()) -> dict:
+            extra: list[str] = (), context: int = 0) -> dict:
+    """TRL, rlkit and rlkit without the shared prefix alternating steps; `context`: long prompts."""
     from transformers import TrainerCallback
 
     fixed = mode == "fixed"
+    extra = [*SIZES.get(size, []), *extra, *([f"model.max_position_embeddings={context + 32 + max_new}"] if context else [])]
     with tempfile.TemporaryDirectory() as tmp:
-        state = rlkit_state([*SIZES.get(size, []), *extra], os.path.join(tmp, "rlkit"), prompts, group, max_new, fixed)
+        state = rlkit_state(extra, os.path.join(tmp, "rlkit"), prompts, group, max_new, fixed)
+        unshared = rlkit_state([*extra, "optim.share_prefix=false"], os.path.join(tmp, "off"), prompts, group, max_new,
+                               fixed)
+        for s in [state, unshared] if context else []:
+            with_context(s.parts.task, context)
         trainer = trl_trainer(state, os.path.join(tmp, "model"), os.path.join(tmp, "trl"), rounds, fixed)
+        MODELS[:] = [m for s in (state, unshared) for m in (s.parts.policy, s.parts.ref) if m is not None]
+        MODELS.extend(m for m in (trainer.model, trainer.ref_model) if m is not None)
         params = sum(p.numel() for p in state.parts.policy.parameters())
         check = equal_maths(state, trainer)
-        ours, theirs = Side(), Side()
+        ours, theirs, off = Side(), Side(), Side()
         phases = instrument(trainer)
-
-        def rlkit_step():
-            state.runtime.timer.clear()
-            with peak_memory(state.runtime.device, ours.peaks):
-                t0 = time.perf_counter()
-                rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
-                learn(state, rollout)
-                ours.steps.append(time.perf_counter() - t0)
-            ours.phases.append(dict(state.runtime.timer))
-            ours.tokens.append(float(rollout.completion_mask.sum()))
 
         class Alternate(TrainerCallback):
             """Times TRL's step between step begin and end, then runs one rlkit step."""
@@ -238,7 +277,7 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
             def on_step_begin(self, args, tstate, control, **kw):
                 phases.clear()
                 self.t0 = time.perf_counter()
-                self.mem = peak_memory(state.runtime.device, theirs.peaks)
+                self.mem = peak_memory(state.runtime.device, theirs.peaks, theirs.activations)
                 self.mem.__enter__()
 
             def on_step_end(self, args, tstate, control, **kw):
@@ -246,13 +285,17 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
                 self.mem.__exit__(None, None, None)
                 theirs.phases.append(dict(phases))
                 theirs.tokens.append(trainer._metrics["train"]["completions/mean_length"][-1] * prompts * group)
-                rlkit_step()
+                rlkit_step(state, ours)
+                rlkit_step(unshared, off)
 
         trainer.add_callback(Alternate())
         trainer.train()
         a, b = ours.summary(warmup), theirs.summary(warmup)
-        return {"size": size, "params": params, "mode": mode, "check": check, "rlkit": a, "trl": b,
-                "time ratio": a["step"] / b["step"], "memory ratio": a["peak"] / b["peak"]}
+        res = {"size": size, "params": params, "mode": mode, "check": check, "rlkit": a, "trl": b,
+               "time ratio": a["step"] / b["step"], "memory ratio": a["peak"] / b["peak"], "context": context}
+        c = res["rlkit unshared"] = off.summary(warmup)
+        res["sharing"] = {"time": c["step"] / a["step"], "activations": c["activations"] / a["activations"]}
+        return res
 
 
 def report(res: dict) -> None:
@@ -261,12 +304,18 @@ def report(res: dict) -> None:
     print(f"equal maths on one rollout ({c['rows']} rows, mean length {c['mean length']:.1f}): max |diff| "
           f"advantage {c['advantage']:.1e}, reference logp {c['reference logp']:.1e}, loss {c['loss']:.1e}, "
           f"gradient {c['gradient']:.1e}")
-    for name in ("rlkit", "trl"):
+    for name in ("rlkit", "rlkit unshared", "trl"):
+        if name not in res:
+            continue
         s = res[name]
         split = ", ".join(f"{k} {v / s['step']:.0%}" for k, v in s["split"].items())
-        print(f"{name:5s}: step {s['step']:.3f} s (median), peak {s['peak']:.0f} MB; {split}; "
-              f"{s['tokens']:.0f} generated tokens/step")
-    print(f"ratio rlkit/TRL: time {res['time ratio']:.2f}x, peak memory {res['memory ratio']:.2f}x")
+        print(f"{name:14s}: step {s['step']:.3f} s (median), peak {s['peak']:.0f} MB, activations {s['activations']:.0f} MB; "
+              f"{split}; {s['tokens']:.0f} generated tokens/step")
+    print(f"ratio rlkit/TRL: time {res['time ratio']:.2f}x, peak memory {res['memory ratio']:.2f}x, activations "
+          f"{res['rlkit']['activations'] / res['trl']['activations']:.2f}x")
+    if "sharing" in res:
+        print(f"shared prefix ({res['context']}-character context): unshared/shared rlkit step time "
+              f"{res['sharing']['time']:.2f}x, activations {res['sharing']['activations']:.2f}x")
 
 
 def main() -> None:
@@ -280,6 +329,7 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rlkit", nargs="*", default=[], help="extra rlkit overrides, e.g. optim.micro_batch_tokens=512")
+    p.add_argument("--context", type=int, default=0, help="characters of solved examples before every question")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with open("/proc/loadavg") as f:
@@ -287,7 +337,7 @@ def main() -> None:
     for size in a.sizes:
         for mode in a.modes:
             report(compare(size, mode, a.rounds, a.warmup, a.prompts, a.group, a.max_new,
-                           [f"threads={a.threads}", *a.rlkit]))
+                           [f"threads={a.threads}", *a.rlkit], a.context))
 
 
 if __name__ == "__main__":

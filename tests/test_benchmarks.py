@@ -36,12 +36,17 @@ def test_rlkit_and_trl_compute_the_same_advantages_loss_and_gradient(tmp_path, m
     sides compute the same numbers; then it alternates steps (timings printed, not asserted)."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
     bench = load("bench_vs_trl")
-    for mode in ("natural", "fixed"):
-        res = bench.compare("tiny", mode, rounds=3, warmup=1, prompts=2, group=4, max_new=6, extra=TINY)
+    for mode in ("natural", "fixed"):  # fixed: with a few-shot context, where the shared prefix acts
+        res = bench.compare("tiny", mode, rounds=3, warmup=1, prompts=2, group=4, max_new=6, extra=TINY,
+                            context=24 if mode == "fixed" else 0)
         check = res["check"]
         assert check["rows"] == 8 and (check["mean length"] == 6 or mode == "natural")
         for key in ("advantage", "reference logp", "loss", "gradient"):
             assert check[key] < 1e-5, (mode, key, check[key])
         assert len(res["rlkit"]["split"]) == 4 and (res["rlkit"]["tokens"] == 48 or mode == "natural")
+        assert res["rlkit unshared"]["tokens"] == res["rlkit"]["tokens"] or mode == "natural"
+        assert res["rlkit"]["activations"] > 0 and res["trl"]["activations"] > 0
+        assert res["sharing"]["activations"] > 1  # 2 groups of 4 rows share their prompt (24 more tokens in fixed)
         bench.report(res)
-    assert capsys.readouterr().out.count("ratio rlkit/TRL") == 2
+    out = capsys.readouterr().out
+    assert out.count("ratio rlkit/TRL") == 2 and out.count("unshared/shared rlkit step time") == 2
