@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -41,6 +42,7 @@ import torch
 from datasets import Dataset
 from hydra import compose, initialize_config_module
 
+from rlkit.config import build
 from rlkit.guards import StopSignals, checked_advantages
 from rlkit import parallel
 from rlkit.logprobs import rollout_logprobs
@@ -69,13 +71,17 @@ def rlkit_state(overrides: list[str], run_dir: str, prompts: int, group: int, ma
     return state
 
 
-def with_context(task, chars: int) -> None:
+def with_context(state, chars: int) -> None:
     """Every training prompt preceded by `chars` characters of other rows' solved examples
-    ("a=b;" each, cut to length): the same long prompt layout for both sides."""
+    ("a=b;" each, cut to length): the same long prompt layout for both sides (TRL reads
+    `task.train`; rlkit's sampler is rebuilt on it)."""
+    task, cfg = state.parts.task, state.cfg
     rows = list(task.train)
     solved = "".join(f"{r['prompt']}{r['answer']};" for r in rows[:200])
     task.train = Dataset.from_list([{**r, "prompt": (solved * 2)[i % 100:i % 100 + chars] + r["prompt"]}
                                     for i, r in enumerate(rows)])
+    state.parts = dataclasses.replace(state.parts, sampler=build(
+        cfg, "sampler", dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed))
 
 
 def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
@@ -262,7 +268,7 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
         unshared = rlkit_state([*extra, "optim.share_prefix=false"], os.path.join(tmp, "off"), prompts, group, max_new,
                                fixed)
         for s in [state, unshared] if context else []:
-            with_context(s.parts.task, context)
+            with_context(s, context)
         trainer = trl_trainer(state, os.path.join(tmp, "model"), os.path.join(tmp, "trl"), rounds, fixed)
         MODELS[:] = [m for s in (state, unshared) for m in (s.parts.policy, s.parts.ref) if m is not None]
         MODELS.extend(m for m in (trainer.model, trainer.ref_model) if m is not None)

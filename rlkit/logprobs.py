@@ -11,6 +11,7 @@ import sys
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 from rlkit.parallel import is_sharded
 from rlkit.models import AdaptersOff
@@ -146,82 +147,82 @@ def packed_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
     return hidden[bins[where[0]], before], where
 
 
-def shared_layout(prompt_ids, prompt_mask, completion_mask):
-    """Where each token goes when every distinct prompt of the rows is computed once: a segment per
-    prompt, [prompt | completion of each row that has it], segments packed into rows (`pack`).
-    -> (B, W, per row: packed row, segment start, start of its completion in the segment, prompt
-    length) as lists"""
-    _, owner = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [n] which distinct prompt each row has
-    owner, plen, clen = owner.tolist(), prompt_mask.sum(-1).tolist(), completion_mask.sum(-1).tolist()
-    seg_len, start = {}, [0] * len(owner)
-    for i, u in enumerate(owner):  # rows in order; a segment grows by each of its rows' completion
-        seg_len.setdefault(u, plen[i])
-        start[i], seg_len[u] = seg_len[u], seg_len[u] + clen[i]
-    segs = sorted(seg_len)
-    bins, offset, B = pack([seg_len[u] for u in segs], max(seg_len.values()))
-    where = {u: (bins[j], offset[j]) for j, u in enumerate(segs)}
-    return B, max(seg_len.values()), [where[u][0] for u in owner], [where[u][1] for u in owner], start, plen, owner
-
-
 def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """`packed_hidden` with each distinct prompt computed once: its rows' completions follow it in
-    one segment and attend to it through a shared-prefix mask (a completion sees the prompt and its
-    own earlier tokens; position ids continue from the prompt), so a group of G completions costs
-    prompt + G x completion tokens instead of G x (prompt + completion). Same hidden states as the
+    """`packed_hidden` with each distinct prompt of the rows computed once: the decoder runs over
+    the U distinct prompts and, beside them, over the n completions, whose attention reads the keys
+    and values of their own prompt (copied per row, so its gradient gathers from every completion)
+    and of their own earlier tokens; position ids continue from the prompt. A group of G
+    completions costs prompt + G x completion tokens instead of G x (prompt + completion), and no
+    attention score between two completions of a group is computed. Same hidden states as the
     unshared forward (to float rounding).  -> hidden [K, H] and `where` of the K completion tokens"""
-    dev, Tp = prompt_ids.device, prompt_ids.shape[1]
-    B, W, row, seg0, start, plen, owner = shared_layout(prompt_ids, prompt_mask, completion_mask)
-    ids = torch.zeros(B, W, dtype=prompt_ids.dtype, device=dev)  # [B, W]
-    pos = torch.zeros(B, W, dtype=torch.long, device=dev)  # [B, W]
-    seg = -1 - torch.arange(B * W, device=dev).view(B, W)  # [B, W] fillers: a segment each
-    branch = torch.zeros(B, W, dtype=torch.long, device=dev)  # [B, W] 0: prompt, i + 1: row i's completion
-    first = {}
-    for i, u in enumerate(owner):
-        b, o, p = row[i], seg0[i], plen[i]
-        if u not in first:  # the prompt, once
-            first[u] = i
-            ids[b, o:o + p], pos[b, o:o + p], seg[b, o:o + p] = prompt_ids[i, Tp - p:], torch.arange(p, device=dev), u
-        c = int(completion_mask[i].sum())
-        span = slice(o + start[i], o + start[i] + c)
-        ids[b, span], pos[b, span] = completion_ids[i, :c], torch.arange(p, p + c, device=dev)
-        seg[b, span], branch[b, span] = u, i + 1
-    col = torch.arange(W, device=dev)
-    allowed = ((seg[:, :, None] == seg[:, None, :]) & (col[None, None, :] <= col[None, :, None])
-               & ((branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])))  # [B, W(query), W(key)]
+    distinct, owner = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, Tp], [n]
+    first = torch.zeros(len(distinct), dtype=torch.long, device=owner.device).scatter_(
+        0, owner, torch.arange(len(owner), device=owner.device))  # [U] a row with each prompt (any: they are equal)
+    p_mask = prompt_mask[first].bool()  # [U, Tp]
+    used = completion_mask.any(0).nonzero()
+    tc = int(used.max()) + 1 if len(used) else 1
+    c_ids, c_mask = completion_ids[:, :tc], completion_mask[:, :tc].bool()  # [n, tc]
+    Tp, dev = distinct.shape[1], distinct.device
+    p_pos = positions(p_mask.long())  # [U, Tp]
+    c_pos = p_mask.sum(-1)[owner][:, None] + torch.arange(tc, device=dev)  # [n, tc]
+    causal_p = torch.ones(Tp, Tp, dtype=torch.bool, device=dev).tril()
+    p_attn = ((causal_p & p_mask[:, None, :]) | torch.eye(Tp, dtype=torch.bool, device=dev))[:, None]  # [U, 1, Tp, Tp]
+    causal_c = torch.ones(tc, tc, dtype=torch.bool, device=dev).tril()
+    c_attn = torch.cat([p_mask[owner][:, None, :].expand(-1, tc, -1),
+                        causal_c & c_mask[:, None, :]], -1)[:, None]  # [n, 1, tc, Tp + tc]
     with context:
-        hidden = body(input_ids=ids, position_ids=pos, attention_mask=attention_mask(body, allowed),
-                      use_cache=False).last_hidden_state  # [B, W, H]
+        xp, xc = body.embed_tokens(distinct), body.embed_tokens(c_ids)  # [U, Tp, H], [n, tc, H]
+        rope_p, rope_c = body.rotary_emb(xp, p_pos), body.rotary_emb(xc, c_pos)  # (cos, sin) [., ., hd] each
+        for layer in body.layers:
+            qp, kp, vp = _qkv(layer, xp, rope_p)  # [U, h, Tp, hd], [U, kvh, Tp, hd] x 2
+            qc, kc, vc = _qkv(layer, xc, rope_c)  # [n, h, tc, hd], [n, kvh, tc, hd] x 2
+            xp = _finish(layer, xp, _attend(layer, qp, kp, vp, p_attn))
+            xc = _finish(layer, xc, _attend(layer, qc, torch.cat([kp[owner], kc], 2), torch.cat([vp[owner], vc], 2),
+                                            c_attn))
+        xp, xc = body.norm(xp), body.norm(xc)
     where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each
     r, t = where
-    rows, seg0_t, start_t, plen_t = (torch.tensor(x, device=dev)[r] for x in (row, seg0, start, plen))  # [K] each
-    before = torch.where(t == 0, seg0_t + plen_t - 1, seg0_t + start_t + t - 1)  # [K] the column predicting it
-    return hidden[rows, before], where
+    hidden = torch.where((t == 0)[:, None], xp[owner[r], -1], xc[r, (t - 1).clamp(min=0)])  # [K, H]
+    return hidden, where
 
 
-def attention_mask(body, allowed: torch.Tensor) -> torch.Tensor:
-    """A prepared 4D mask from `allowed` [B, W, W] in the form the model's attention takes: boolean
-    for SDPA, additive for the eager implementation.  -> [B, 1, W, W]"""
-    if body.config._attn_implementation == "sdpa":
-        return allowed[:, None]
-    dtype = body.embed_tokens.weight.dtype
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min)[:, None]
+def _qkv(layer, x: torch.Tensor, rope: tuple) -> tuple:
+    """The layer's normed projections of x [B, T, H], rotated.  -> q [B, h, T, hd], k and v [B, kvh, T, hd]"""
+    a = layer.self_attn
+    B, T, _ = x.shape
+    h = layer.input_layernorm(x)
+    q, k = a.q_proj(h).view(B, T, -1, a.head_dim), a.k_proj(h).view(B, T, -1, a.head_dim)
+    if hasattr(a, "q_norm"):  # qwen3
+        q, k = a.q_norm(q), a.k_norm(k)
+    q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    return q, k, a.v_proj(h).view(B, T, -1, a.head_dim).transpose(1, 2)
+
+
+def _attend(layer, q, k, v, mask) -> torch.Tensor:
+    """SDPA with the layer's scale and grouped keys.  -> [B, T, h * hd]"""
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=True)
+    return o.transpose(1, 2).flatten(2)
+
+
+def _finish(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The residual adds of the attention output and the MLP.  -> [B, T, H]"""
+    x = x + layer.self_attn.o_proj(attended)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 _UNSHARED: set = set()  # model classes already reported as running without a shared prefix
 
 
 def shares_prefix(model, prompt_ids) -> bool:
-    """Whether the shared-prefix forward applies: a Llama-family model with SDPA or eager attention
-    (not sharded), and rows that repeat a prompt. A model it cannot apply to runs every row in
-    full, and says so once."""
+    """Whether the shared-prefix forward applies: a Llama-family model (not sharded) and rows that
+    repeat a prompt. A model it cannot apply to runs every row in full, and says so once."""
     parts = causal_parts(model)
-    if parts is None or parts[0].config._attn_implementation not in ("sdpa", "eager"):
+    if parts is None:
         name = type(base_model(model)).__name__
         if name not in _UNSHARED:
             _UNSHARED.add(name)
             print(f"rlkit: optim.share_prefix: {name} runs every row's prompt in full (the shared prefix needs a "
-                  "Llama-family model with SDPA or eager attention, not sharded)", file=sys.stderr)
+                  "Llama-family model, not sharded)", file=sys.stderr)
         return False
     return len(prompt_ids) > 1 and len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
 

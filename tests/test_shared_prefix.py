@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlkit import logprobs
 from rlkit.engines.kv_cache import generate
-from rlkit.logprobs import shared_layout, token_logprobs
+from rlkit.logprobs import token_logprobs
 from rlkit.models import TinyQwen2
 
 PROMPTS = ["12+3=", "1+2+34+5=", "7=", "40+1+1="]
@@ -52,13 +52,18 @@ def test_shared_and_unshared_forwards_agree(model, groups):
         assert_close(a, b)
 
 
-def test_each_distinct_prompt_is_laid_out_once(model):
+def test_each_distinct_prompt_goes_through_the_decoder_once(model):
+    """The embedding sees the 4 distinct (padded) prompts once and each row's completion once."""
+    policy, _ = model
     g = rollout(model, (3, 1, 5, 2))
-    B, W, row, seg0, start, plen, owner = shared_layout(g[0], g[1], g[3])
-    prompt_tokens = sum(len(p) for p in PROMPTS)  # the character tokenizer: a token per character
-    completion_tokens = int(g[3].sum())
-    assert len(set(owner)) == 4 and sum(plen[owner.index(u)] for u in set(owner)) == prompt_tokens
-    assert B * W >= prompt_tokens + completion_tokens and W <= max(p for p in plen) + 5 * 12
+    seen = []
+    hook = policy.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    try:
+        token_logprobs(policy, *g, share=True)
+    finally:
+        hook.remove()
+    tc = int(g[3].any(0).nonzero().max()) + 1
+    assert sum(seen) == 4 * g[0].shape[1] + 11 * tc  # prompts [4, Tp] and completions [11, tc]
 
 
 @settings(max_examples=5, deadline=None)
