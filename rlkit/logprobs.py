@@ -92,7 +92,7 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     or "grad" (for an entropy bonus). Returns logp [N, Tc] and entropy [N, Tc] or None (zeros on
     padding)."""
     parts = causal_parts(model) if packed else None
-    shared = share and shares_prefix(model, prompt_ids)
+    shared = share and shares_prefix(model, prompt_ids, prompt_mask, completion_mask)
     if parts is not None:
         forward = shared_hidden if shared else packed_hidden
         hidden, where = forward(*parts, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [K, H]
@@ -213,9 +213,12 @@ def _finish(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
 _UNSHARED: set = set()  # model classes already reported as running without a shared prefix
 
 
-def shares_prefix(model, prompt_ids) -> bool:
-    """Whether the shared-prefix forward applies: a Llama-family model (not sharded) and rows that
-    repeat a prompt. A model it cannot apply to runs every row in full, and says so once."""
+def shares_prefix(model, prompt_ids, prompt_mask, completion_mask) -> bool:
+    """Whether the shared-prefix forward applies and pays: a Llama-family model (not sharded), and
+    fewer tokens through the decoder than packing runs: distinct prompts x prompt width + rows x
+    longest completion (completions are not packed there) against every real token. Short prompts
+    under long, uneven completions keep the packed forward. A model it cannot apply to runs every
+    row in full, and says so once."""
     parts = causal_parts(model)
     if parts is None:
         name = type(base_model(model)).__name__
@@ -224,7 +227,10 @@ def shares_prefix(model, prompt_ids) -> bool:
             print(f"rlkit: optim.share_prefix: {name} runs every row's prompt in full (the shared prefix needs a "
                   "Llama-family model, not sharded)", file=sys.stderr)
         return False
-    return len(prompt_ids) > 1 and len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
+    used = completion_mask.any(0).nonzero()
+    tc = int(used.max()) + 1 if len(used) else 1
+    shared = len(torch.unique(prompt_ids, dim=0)) * prompt_ids.shape[1] + len(prompt_ids) * tc
+    return shared < int(prompt_mask.sum() + completion_mask.sum())
 
 
 def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none", share: bool = False):

@@ -11,14 +11,15 @@ from rlkit.engines.kv_cache import generate
 from rlkit.logprobs import token_logprobs
 from rlkit.models import TinyQwen2
 
-PROMPTS = ["12+3=", "1+2+34+5=", "7=", "40+1+1="]
+# few-shot prompts of different lengths (25 to 47 tokens), longer than the completions, so sharing pays
+PROMPTS = ["1+1=2;" * 6 + "12+3=", "2+2=4;3+1=4;" * 2 + "1+2+34+5=", "5+5=10;" * 5 + "7=", "9+0=9;" * 3 + "40+1+1="]
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
     return TinyQwen2(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128).build(
-        "0123456789+=", 0)
+        "0123456789+=;", 0)
 
 
 def rollout(model, group_sizes):
@@ -48,6 +49,7 @@ def assert_close(a, b):
 @pytest.mark.parametrize("groups", [(4, 4, 4, 4), (1, 1, 1, 1), (3, 1, 5, 2)])
 def test_shared_and_unshared_forwards_agree(model, groups):
     g = rollout(model, groups)
+    assert logprobs.shares_prefix(model[0], g[0], g[1], g[3]) == (groups != (1, 1, 1, 1))  # groups of one: packed
     for a, b in zip(forward_backward(model[0], g, False), forward_backward(model[0], g, True)):
         assert_close(a, b)
 
