@@ -21,7 +21,7 @@ during that side's step (reset before each step through /proc/self/clear_refs), 
 own part of it (peak minus the resident set when the step began: activations and temporaries);
 on CUDA, the peak allocated memory and its rise during the step.
 
-A third side, rlkit with `optim.share_prefix=false`, runs in the same alternation, so the
+A third side, rlkit with `optim.share_prefix=never`, runs in the same alternation, so the
 shared-prefix forward is measured against the unshared one and against TRL. Long prompts:
 `--context C` puts C characters of solved examples before every question (a few-shot prompt):
 
@@ -265,7 +265,7 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
     extra = [*SIZES.get(size, []), *extra, *([f"model.max_position_embeddings={context + 32 + max_new}"] if context else [])]
     with tempfile.TemporaryDirectory() as tmp:
         state = rlkit_state(extra, os.path.join(tmp, "rlkit"), prompts, group, max_new, fixed)
-        unshared = rlkit_state([*extra, "optim.share_prefix=false"], os.path.join(tmp, "off"), prompts, group, max_new,
+        unshared = rlkit_state([*extra, "optim.share_prefix=never"], os.path.join(tmp, "off"), prompts, group, max_new,
                                fixed)
         for s in [state, unshared] if context else []:
             with_context(s, context)

@@ -52,8 +52,9 @@ class OptimConfig:
     micro_batch_tokens: int = 0      # padded tokens per forward/backward, 0 = no limit; rows of similar length
                                      # go together and each micro-batch is trimmed to its longest row
     max_nonfinite: int = 3           # stop after this many updates in a row skipped for NaN/inf
-    share_prefix: bool = True        # training forwards compute each distinct prompt of a micro-batch once, its
-                                     # completions attending to it (Llama-family models; others run every row)
+    share_prefix: str = "auto"       # training forwards compute each distinct prompt of a micro-batch once, its
+                                     # completions attending to it (Llama-family models): auto (where that runs fewer
+                                     # tokens than packing) | always | never
 
 
 @dataclass
@@ -208,6 +209,8 @@ def check_values(cfg: DictConfig) -> None:
     require(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
     require(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
     require(op.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0, got {op.micro_batch_tokens}")
+    require(op.share_prefix in ("auto", "always", "never"),
+            f"optim.share_prefix must be auto, always or never, got {op.share_prefix!r}")
     check_run_values(cfg)
 
 

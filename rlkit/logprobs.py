@@ -83,7 +83,7 @@ def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   entropy: str = "none", packed: bool = True, share: bool = False
+                   entropy: str = "none", packed: bool = True, share: str = "never"
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens. No compute is spent on padding: Llama-family models
     run on packed rows (`packed_hidden`), others on the micro-batch trimmed to its longest row
@@ -92,7 +92,7 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     or "grad" (for an entropy bonus). Returns logp [N, Tc] and entropy [N, Tc] or None (zeros on
     padding)."""
     parts = causal_parts(model) if packed else None
-    shared = share and shares_prefix(model, prompt_ids, prompt_mask, completion_mask)
+    shared = shares_prefix(model, prompt_ids, prompt_mask, completion_mask, share)
     if parts is not None:
         forward = shared_hidden if shared else packed_hidden
         hidden, where = forward(*parts, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [K, H]
@@ -213,12 +213,14 @@ def _finish(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
 _UNSHARED: set = set()  # model classes already reported as running without a shared prefix
 
 
-def shares_prefix(model, prompt_ids, prompt_mask, completion_mask) -> bool:
-    """Whether the shared-prefix forward applies and pays: a Llama-family model (not sharded), and
-    fewer tokens through the decoder than packing runs: distinct prompts x prompt width + rows x
-    longest completion (completions are not packed there) against every real token. Short prompts
-    under long, uneven completions keep the packed forward. A model it cannot apply to runs every
-    row in full, and says so once."""
+def shares_prefix(model, prompt_ids, prompt_mask, completion_mask, mode: str = "auto") -> bool:
+    """Whether the shared-prefix forward runs: never with `mode` never; otherwise on a Llama-family
+    model (not sharded), and with `mode` auto only where it sends fewer tokens through the decoder
+    than packing: distinct prompts x prompt width + rows x longest completion (completions are not
+    packed there) against every real token, so short prompts under long, uneven completions keep
+    the packed forward. A model it cannot apply to runs every row in full, and says so once."""
+    if mode == "never":
+        return False
     parts = causal_parts(model)
     if parts is None:
         name = type(base_model(model)).__name__
@@ -227,14 +229,16 @@ def shares_prefix(model, prompt_ids, prompt_mask, completion_mask) -> bool:
             print(f"rlkit: optim.share_prefix: {name} runs every row's prompt in full (the shared prefix needs a "
                   "Llama-family model, not sharded)", file=sys.stderr)
         return False
+    if mode == "always":
+        return True
     used = completion_mask.any(0).nonzero()
     tc = int(used.max()) + 1 if len(used) else 1
     shared = len(torch.unique(prompt_ids, dim=0)) * prompt_ids.shape[1] + len(prompt_ids) * tc
     return shared < int(prompt_mask.sum() + completion_mask.sum())
 
 
-def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none", share: bool = False):
-    """Log-probs (and entropies) of a rollout's completions; `share`: each distinct prompt
-    computed once where the model allows it (`shared_hidden`), otherwise the packed forward."""
+def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none", share: str = "never"):
+    """Log-probs (and entropies) of a rollout's completions; `share` (auto, always, never): each
+    distinct prompt computed once (`shared_hidden`, see `shares_prefix`), else the packed forward."""
     return token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                           temperature, entropy, share=share)

@@ -35,6 +35,7 @@ PARALLEL_CASES = {
     "batch_std": ["advantage.std_scope=batch"],
     "gae_whitening_and_critic": ["algo=ppo", "optim.epochs=1", "optim.mini_batches=1"],
     "shard": ["parallel=shard", "optim.micro_batch_size=0"],  # sharded policy and reference (one process: unsharded)
+    "shared_prefix": ["optim.share_prefix=always", "optim.micro_batch_size=0"],  # each rank's groups share prompts
 }
 
 

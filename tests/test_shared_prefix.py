@@ -33,7 +33,8 @@ def forward_backward(policy, g, share, rows=None):
     """Log-probs, entropies and the gradient of sum(logp + 0.1 entropy) over `rows` (default all)."""
     policy.zero_grad()
     rows = torch.arange(len(g[0])) if rows is None else rows
-    logp, ent = token_logprobs(policy, *(t[rows] for t in g), temperature=0.7, entropy="grad", share=share)
+    logp, ent = token_logprobs(policy, *(t[rows] for t in g), temperature=0.7, entropy="grad",
+                               share="auto" if share else "never")
     (logp.sum() + 0.1 * ent.sum()).backward()
     return logp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
 
@@ -50,6 +51,7 @@ def assert_close(a, b):
 def test_shared_and_unshared_forwards_agree(model, groups):
     g = rollout(model, groups)
     assert logprobs.shares_prefix(model[0], g[0], g[1], g[3]) == (groups != (1, 1, 1, 1))  # groups of one: packed
+    assert logprobs.shares_prefix(model[0], g[0], g[1], g[3], "always")
     for a, b in zip(forward_backward(model[0], g, False), forward_backward(model[0], g, True)):
         assert_close(a, b)
 
@@ -61,7 +63,7 @@ def test_each_distinct_prompt_goes_through_the_decoder_once(model):
     seen = []
     hook = policy.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
     try:
-        token_logprobs(policy, *g, share=True)
+        token_logprobs(policy, *g, share="always")
     finally:
         hook.remove()
     tc = int(g[3].any(0).nonzero().max()) + 1
@@ -96,9 +98,9 @@ def test_a_model_it_cannot_apply_to_runs_unshared_and_says_so_once(model, capsys
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=model[0].config.vocab_size, n_embd=32, n_layer=1, n_head=2)).eval()
     g = rollout(model, (2, 2, 2, 2))
     logprobs._UNSHARED.discard("GPT2LMHeadModel")
-    a = token_logprobs(gpt2, *g, share=True)[0]
-    token_logprobs(gpt2, *g, share=True)
-    assert torch.equal(a, token_logprobs(gpt2, *g, share=False)[0])
+    a = token_logprobs(gpt2, *g, share="always")[0]
+    token_logprobs(gpt2, *g, share="auto")
+    assert torch.equal(a, token_logprobs(gpt2, *g, share="never")[0])
     assert capsys.readouterr().err.count("GPT2LMHeadModel runs every row's prompt in full") == 1
 
 
