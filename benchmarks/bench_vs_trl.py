@@ -262,7 +262,8 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
     from transformers import TrainerCallback
 
     fixed = mode == "fixed"
-    extra = [*SIZES.get(size, []), *extra, *([f"model.max_position_embeddings={context + 32 + max_new}"] if context else [])]
+    positions = [f"model.max_position_embeddings={context + 32 + max_new}"] if context else []  # the prompt must fit
+    extra = [*SIZES.get(size, []), *extra, *positions]
     with tempfile.TemporaryDirectory() as tmp:
         state = rlkit_state(extra, os.path.join(tmp, "rlkit"), prompts, group, max_new, fixed)
         unshared = rlkit_state([*extra, "optim.share_prefix=never"], os.path.join(tmp, "off"), prompts, group, max_new,
@@ -315,8 +316,8 @@ def report(res: dict) -> None:
             continue
         s = res[name]
         split = ", ".join(f"{k} {v / s['step']:.0%}" for k, v in s["split"].items())
-        print(f"{name:14s}: step {s['step']:.3f} s (median), peak {s['peak']:.0f} MB, activations {s['activations']:.0f} MB; "
-              f"{split}; {s['tokens']:.0f} generated tokens/step")
+        print(f"{name:14s}: step {s['step']:.3f} s (median), peak {s['peak']:.0f} MB, activations "
+              f"{s['activations']:.0f} MB; {split}; {s['tokens']:.0f} generated tokens/step")
     print(f"ratio rlkit/TRL: time {res['time ratio']:.2f}x, peak memory {res['memory ratio']:.2f}x, activations "
           f"{res['rlkit']['activations'] / res['trl']['activations']:.2f}x")
     if "sharing" in res:

@@ -69,13 +69,18 @@ def pack(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
     return bins, offset, len(room)
 
 
+def completion_width(completion_mask: torch.Tensor) -> int:
+    """Columns up to the last completion token any row has (at least 1).  [n, Tc] -> int"""
+    used = completion_mask.any(0).nonzero()  # [k, 1]
+    return int(used.max()) + 1 if len(used) else 1
+
+
 def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
     """Prompt + completion without the padding columns that every row shares (leading prompt
     columns, trailing completion columns), so no compute is spent on them. Positions come from
     the mask, so trimming changes no row's numbers.  -> ids, mask, position ids [n, S'] and tc, the
     completion columns kept"""
-    used = completion_mask.any(0).nonzero()  # [k, 1]
-    tc = int(used.max()) + 1 if len(used) else 1
+    tc = completion_width(completion_mask)
     p0 = int(prompt_mask.any(0).int().argmax()) if prompt_mask.any() else prompt_mask.shape[1] - 1
     ids = torch.cat([prompt_ids[:, p0:], completion_ids[:, :tc]], 1)  # [n, S']
     mask = torch.cat([prompt_mask[:, p0:], completion_mask[:, :tc]], 1)  # [n, S']
@@ -159,8 +164,7 @@ def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
     first = torch.zeros(len(distinct), dtype=torch.long, device=owner.device).scatter_(
         0, owner, torch.arange(len(owner), device=owner.device))  # [U] a row with each prompt (any: they are equal)
     p_mask = prompt_mask[first].bool()  # [U, Tp]
-    used = completion_mask.any(0).nonzero()
-    tc = int(used.max()) + 1 if len(used) else 1
+    tc = completion_width(completion_mask)
     c_ids, c_mask = completion_ids[:, :tc], completion_mask[:, :tc].bool()  # [n, tc]
     Tp, dev = distinct.shape[1], distinct.device
     p_pos = positions(p_mask.long())  # [U, Tp]
@@ -231,8 +235,7 @@ def shares_prefix(model, prompt_ids, prompt_mask, completion_mask, mode: str = "
         return False
     if mode == "always":
         return True
-    used = completion_mask.any(0).nonzero()
-    tc = int(used.max()) + 1 if len(used) else 1
+    tc = completion_width(completion_mask)
     shared = len(torch.unique(prompt_ids, dim=0)) * prompt_ids.shape[1] + len(prompt_ids) * tc
     return shared < int(prompt_mask.sum() + completion_mask.sum())
 

@@ -30,6 +30,11 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     raise ValueError(f"loss.kl_estimator must be one of k1, k2, k3, got {kind!r}")
 
 
+def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's mean over its masked tokens.  [n, Tc] -> [n, 1]"""
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float,
                       eps_high: float, dual_clip: float | None = None) -> tuple[torch.Tensor, dict]:
     """-min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A); with `dual_clip` c > 1, a negative-
@@ -141,7 +146,7 @@ class Regularised(PolicyLoss):
 
     def token_selection(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """The top-entropy tokens of the rollout (None when every token counts).  [N, Tc] -> [N, Tc]"""
-        if self.top_entropy_quantile >= 1:
+        if not self.selects_tokens:
             return None
         values = torch.cat(parallel.gather(entropy[mask.bool()].float().cpu()))  # every rank's tokens
         if not len(values):
@@ -186,9 +191,7 @@ class GSPO(Regularised):
         self.eps_low, self.eps_high = eps_low, eps_high
 
     def surrogate(self, logp, old_logp, adv, mask):
-        lengths = mask.sum(-1).clamp(min=1)  # [n]
-        log_s = ((logp - old_logp) * mask).sum(-1) / lengths  # [n]
-        seq_adv = (adv * mask).sum(-1) / lengths  # [n]
+        log_s, seq_adv = seq_mean(logp - old_logp, mask)[:, 0], seq_mean(adv, mask)[:, 0]  # [n] each
         loss, stats = clipped_surrogate(log_s, torch.zeros_like(log_s), seq_adv, self.eps_low, self.eps_high)  # [n]
         return loss[:, None] * mask, {k: v[:, None].float() * mask for k, v in stats.items()}  # [n, Tc]
 
@@ -229,11 +232,6 @@ class SAPO(Regularised):
         gate = torch.sigmoid(tau * (ratio - 1))  # [n, Tc]
         stats = {"ratio_dev": (ratio - 1).abs().detach(), "gate": (4 * gate * (1 - gate)).detach()}
         return -(4 / tau) * gate * adv, stats  # [n, Tc]
-
-
-def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each row's mean over its masked tokens.  [n, Tc] -> [n, 1]"""
-    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
 class VESPO(Regularised):

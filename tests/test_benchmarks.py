@@ -46,7 +46,9 @@ def test_rlkit_and_trl_compute_the_same_advantages_loss_and_gradient(tmp_path, m
         assert len(res["rlkit"]["split"]) == 4 and (res["rlkit"]["tokens"] == 48 or mode == "natural")
         assert res["rlkit unshared"]["tokens"] == res["rlkit"]["tokens"] or mode == "natural"
         assert res["rlkit"]["activations"] > 0 and res["trl"]["activations"] > 0
-        assert res["sharing"]["activations"] > 1  # 2 groups of 4 rows share their prompt (24 more tokens in fixed)
+        # with the context the prompt outweighs the completions, so the shared prefix runs; without it (natural) the
+        # auto rule may keep packing, and the two sides draw different samples, so their ratio is noise there
+        assert res["sharing"]["activations"] > 1 or mode == "natural"
         bench.report(res)
     out = capsys.readouterr().out
     assert out.count("ratio rlkit/TRL") == 2 and out.count("unshared/shared rlkit step time") == 2

@@ -30,11 +30,11 @@ def rollout(model, group_sizes):
 
 
 def forward_backward(policy, g, share, rows=None):
-    """Log-probs, entropies and the gradient of sum(logp + 0.1 entropy) over `rows` (default all)."""
+    """Log-probs, entropies and the gradient of sum(logp + 0.1 entropy) over `rows` (default all);
+    `share`: optim.share_prefix's auto, always or never."""
     policy.zero_grad()
     rows = torch.arange(len(g[0])) if rows is None else rows
-    logp, ent = token_logprobs(policy, *(t[rows] for t in g), temperature=0.7, entropy="grad",
-                               share="auto" if share else "never")
+    logp, ent = token_logprobs(policy, *(t[rows] for t in g), temperature=0.7, entropy="grad", share=share)
     (logp.sum() + 0.1 * ent.sum()).backward()
     return logp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
 
@@ -52,8 +52,10 @@ def test_shared_and_unshared_forwards_agree(model, groups):
     g = rollout(model, groups)
     assert logprobs.shares_prefix(model[0], g[0], g[1], g[3]) == (groups != (1, 1, 1, 1))  # groups of one: packed
     assert logprobs.shares_prefix(model[0], g[0], g[1], g[3], "always")
-    for a, b in zip(forward_backward(model[0], g, False), forward_backward(model[0], g, True)):
-        assert_close(a, b)
+    unshared = forward_backward(model[0], g, "never")
+    for mode in ("auto", "always"):  # groups of one: auto packs, always shares (each prompt is its own)
+        for a, b in zip(unshared, forward_backward(model[0], g, mode)):
+            assert_close(a, b)
 
 
 def test_each_distinct_prompt_goes_through_the_decoder_once(model):
@@ -75,9 +77,9 @@ def test_each_distinct_prompt_goes_through_the_decoder_once(model):
 def test_any_micro_batch_split_gives_the_same_gradient(model, order, cut):
     """Rows of a group split across micro-batches share within each; the summed gradient is the same."""
     g = rollout(model, (3, 1, 5, 2))
-    whole = forward_backward(model[0], g, False)[2]
+    whole = forward_backward(model[0], g, "never")[2]
     order = torch.tensor(order)
-    grads = [forward_backward(model[0], g, True, rows)[2] for rows in (order[:cut], order[cut:])]
+    grads = [forward_backward(model[0], g, "always", rows)[2] for rows in (order[:cut], order[cut:])]
     assert_close(whole, grads[0] + grads[1])
 
 
@@ -90,7 +92,7 @@ def test_lora_adapters_get_the_same_gradient(model, tmp_path):
             if "lora_B" in n:
                 p.normal_(0, 0.1)  # lora_B starts at zero; give the adapters an effect
     g = rollout(model, (4, 4, 4, 4))
-    for a, b in zip(forward_backward(policy, g, False), forward_backward(policy, g, True)):
+    for a, b in zip(forward_backward(policy, g, "never"), forward_backward(policy, g, "always")):
         assert_close(a, b)
 
 
