@@ -8,20 +8,21 @@ import sys
 import torch
 from tqdm import tqdm
 
-from rlkit.metrics import by_difficulty, hardest_third, mean_or_none as mean
+from rlkit.metrics import by_difficulty, feature_metrics, hardest_third, mean_or_none as mean
 
 
 def answers(engine, tokenizer, task, rows_all: list[dict], batch_size: int, max_new_tokens: int,
-            temperature: float = 0.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether each row's completion is correct (reward > 0) and its length in tokens.  -> [E], [E]"""
-    correct, lengths = [], []
+            temperature: float = 0.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Whether each row's completion is correct (reward > 0), its length in tokens, and its text.  -> [E], [E], E"""
+    correct, lengths, every = [], [], []
     for start in tqdm(range(0, len(rows_all), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
         rows = rows_all[start:start + batch_size]
         gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature, top_p)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         correct.append(task.score(rows, texts) > 0)  # [n]
         lengths.append(gen.completion_mask.sum(-1).float())  # [n]
-    return torch.cat(correct), torch.cat(lengths)  # [E] each
+        every += texts
+    return torch.cat(correct), torch.cat(lengths), every  # [E], [E], E
 
 
 @torch.no_grad()
@@ -33,14 +34,15 @@ def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int, samp
     every evaluation), so it neither moves training's random stream nor differs between runs. Each
     accuracy is also given per difficulty level (`_d<k>`) and over the hardest third of levels (`_hard`)."""
     rows_all = task.eval.to_list()
-    ok, lens = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E] each
+    ok, lens, texts = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E], [E], E
     out = {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok]),
-           **by_difficulty(rows_all, ok.float(), "eval/acc"), **hardest_third(rows_all, ok.float(), "eval/acc")}
+           **by_difficulty(rows_all, ok.float(), "eval/acc"), **hardest_third(rows_all, ok.float(), "eval/acc"),
+           **feature_metrics(task, rows_all, texts, "eval")}
     if samples:
         repeated = [r for r in rows_all for _ in range(samples)]  # E * k rows, each prompt's k together
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            hit, _ = answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
+            hit, _, _ = answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
         per_prompt = hit.float().view(len(rows_all), samples).mean(-1)  # [E]
         out.update({f"eval/mean@{samples}": mean(per_prompt), **by_difficulty(rows_all, per_prompt, f"eval/mean@{samples}"),
                     **hardest_third(rows_all, per_prompt, f"eval/mean@{samples}")})

@@ -13,8 +13,7 @@ import torch
 from rlkit import parallel
 
 from rlkit.config import ConfigError
-
-EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_STORAGE, EXIT_PREEMPTED = 2, 3, 74, 75  # 74: EX_IOERR; 75: EX_TEMPFAIL, "try again"
+from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE  # noqa: F401
 
 
 class Preempted(Exception):

@@ -24,7 +24,8 @@ from rlkit.evaluate import evaluate
 from rlkit.guards import NonFiniteError, Preempted, RunDirLock, StopSignals, checked_advantages, check_writable, finite
 from rlkit.hardware import check_portable
 from rlkit.logprobs import rollout_logprobs
-from rlkit.metrics import mean_or_none, mismatch_metrics, reward_metrics, rollout_metrics, samples, weight_metrics
+from rlkit.metrics import (feature_metrics, mean_or_none, mismatch_metrics, reward_metrics, rollout_metrics, samples,
+                           weight_metrics)
 from rlkit.rewards import overlong_penalty, score, step_reward_matrix
 from rlkit.setup import eval_options, setup, validate
 from rlkit.state import Parts, Run, Runtime
@@ -245,6 +246,7 @@ def measure(parts: Parts, rt: Runtime, step: int, rollout: Rollout, batch: Batch
         metrics["train/skipped_empty_batch"] = 1
     elif rollout.num_rows:  # under data parallel, dynamic sampling may keep nothing on this rank alone
         metrics.update(rollout_metrics(rollout, batch.adv))
+        metrics.update(feature_metrics(parts.task, rollout.rows, rollout.texts, "train"))
         metrics.update(reward_metrics(rollout, list(parts.reward_fns)))
         if rollout.behaviour_logp is not None and batch.old_logp is not None:  # the engine's numbers vs the trainer's
             c = parts.correction  # its bounds, where it has them

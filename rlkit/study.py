@@ -26,7 +26,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlkit import files, stats
-from rlkit.guards import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from rlkit.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from rlkit.runs import parse_aggregate
 from rlkit.verdict import per_run, runs_by_arm, write_report
 

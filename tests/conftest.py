@@ -27,7 +27,14 @@ def make_cfg(overrides: list[str] = (), cache_dir: str | None = None):
         return compose(config_name="config", overrides=[*fast, *extra, *overrides])
 
 
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory) -> str:
+    """One warm-start cache for the tests that do not test the cache itself: each configuration's
+    warm start is trained once in the session, then loaded."""
+    return str(tmp_path_factory.mktemp("warm_start"))
+
+
 @pytest.fixture
-def fast_cfg(tmp_path):
-    """Compose the packaged config with FAST overrides plus the given ones; warm start cached in tmp."""
-    return lambda *overrides: make_cfg(list(overrides), cache_dir=str(tmp_path / "cache"))
+def fast_cfg(warm_cache):
+    """Compose the packaged config with FAST overrides plus the given ones; warm start from the session's cache."""
+    return lambda *overrides: make_cfg(list(overrides), cache_dir=warm_cache)

@@ -24,7 +24,9 @@ def snapshot(state, stats) -> dict:
             "grad_norms": stats.grad_norms, "value_losses": stats.value_losses, "losses": stats.losses}
 
 
-def update_on_shard(rank: int, world: int, port: int, overrides: list, cache: str, rollout_path: str, out: str):
+def update_on_shard(rank: int, world: int, port: int, cases: list, cache: str):
+    """Each case (overrides, rollout file, output folder) in turn in one process group: setup, this
+    rank's groups of the rollout, the update, and rank 0 saves the snapshot as `params.pt`."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from conftest import make_cfg
@@ -32,13 +34,14 @@ def update_on_shard(rank: int, world: int, port: int, overrides: list, cache: st
     from rlkit.setup import setup, validate
 
     parallel.init("cpu")
-    cfg = make_cfg(overrides, cache_dir=cache)
-    state = setup(cfg, os.path.join(out, f"rank{rank}"), {}, validate(cfg, world, rank))
-    rollout = torch.load(rollout_path, weights_only=False)
-    per_rank = rollout.num_groups // world
-    mine = rollout.select_groups(torch.arange(rank * per_rank, (rank + 1) * per_rank))
-    stats, kept = update_on(state, mine)
-    snap = snapshot(state, stats)  # on every rank: gathering a sharded policy takes all of them
-    if rank == 0:
-        torch.save({**snap, "kept": kept}, os.path.join(out, "params.pt"))
+    for overrides, rollout_path, out in cases:
+        cfg = make_cfg(overrides, cache_dir=cache)
+        state = setup(cfg, os.path.join(out, f"rank{rank}"), {}, validate(cfg, world, rank))
+        rollout = torch.load(rollout_path, weights_only=False)
+        per_rank = rollout.num_groups // world
+        mine = rollout.select_groups(torch.arange(rank * per_rank, (rank + 1) * per_rank))
+        stats, kept = update_on(state, mine)
+        snap = snapshot(state, stats)  # on every rank: gathering a sharded policy takes all of them
+        if rank == 0:
+            torch.save({**snap, "kept": kept}, os.path.join(out, "params.pt"))
     torch.distributed.destroy_process_group()

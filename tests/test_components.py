@@ -20,9 +20,9 @@ def prepared(cfg, tmp_path):
     return state, rollout
 
 
-def test_an_engine_with_its_own_numbers_gets_old_logprobs_recomputed_and_weights_synced(tmp_path):
+def test_an_engine_with_its_own_numbers_gets_old_logprobs_recomputed_and_weights_synced(tmp_path, warm_cache):
     cfg = make_cfg(["loss.beta=0", "++engine._target_=helpers.RemoteLikeEngine", "checkpoint.every=0"],
-                   cache_dir=str(tmp_path / "cache"))
+                   cache_dir=warm_cache)
     state, rollout = prepared(cfg, tmp_path / "a")
     before, synced = helpers.RemoteLikeEngine.syncs, state.parts.engine.model.model.embed_tokens.weight.clone()
     batch, _ = learn(state, rollout)
@@ -30,13 +30,13 @@ def test_an_engine_with_its_own_numbers_gets_old_logprobs_recomputed_and_weights
     assert helpers.RemoteLikeEngine.syncs == before + 1
     assert torch.equal(state.parts.engine.model.model.embed_tokens.weight, state.parts.policy.model.embed_tokens.weight)
     assert not torch.equal(synced, state.parts.policy.model.embed_tokens.weight)  # the update moved the weights
-    own, own_rollout = prepared(make_cfg(["loss.beta=0"], cache_dir=str(tmp_path / "cache")), tmp_path / "b")
+    own, own_rollout = prepared(make_cfg(["loss.beta=0"], cache_dir=warm_cache), tmp_path / "b")
     assert learn(own, own_rollout)[0].old_logp is None  # the trainer's own engine: old log-probs come free from the update
 
 
-def test_a_run_generates_only_through_its_engine(tmp_path):
+def test_a_run_generates_only_through_its_engine(tmp_path, warm_cache):
     before = helpers.RemoteLikeEngine.generations
-    run(make_cfg(["++engine._target_=helpers.RemoteLikeEngine", "steps=2"], cache_dir=str(tmp_path / "c")),
+    run(make_cfg(["++engine._target_=helpers.RemoteLikeEngine", "steps=2"], cache_dir=warm_cache),
         str(tmp_path / "run"))
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines[1]["train/ratio_dev"] == pytest.approx(0.0, abs=1e-6)  # recomputed old log-probs match

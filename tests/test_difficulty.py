@@ -7,7 +7,7 @@ from helpers import make_rollout
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.advantages import DrGRPO
 from rlkit.config import build
-from rlkit.metrics import hardest_third, rollout_metrics, weight_metrics
+from rlkit.metrics import feature_metrics, hardest_third, rollout_metrics, weight_metrics
 from rlkit.warm_start import train_supervised
 
 
@@ -68,3 +68,14 @@ def test_loss_weight_share_by_difficulty():
 def test_tasks_without_difficulty_log_no_split():
     r = make_rollout([1.0, 0.0], G=2)
     assert not [k for k in rollout_metrics(r, DrGRPO()(r)) if "_d" in k]
+
+
+def test_the_share_of_worked_answers_by_difficulty_by_hand():
+    task = build(make_cfg(["task=arithmetic_wide", "task.n_train=300", "task.n_eval=50"]), "task")
+    rows = [{"difficulty": d} for d in (2, 2, 5, 8, 8)]  # levels 2, 5, 8: the hardest third is level 8
+    texts = ["1+2=3;3", "3", "1+2=3;3+4=7;7+1=8;8+0=8;8", "36", "1+2=3;oops"]
+    m = feature_metrics(task, rows, texts, "eval")
+    assert m == {"eval/worked": pytest.approx(3 / 5), "eval/worked_d2": 0.5, "eval/worked_d5": 1.0,
+                 "eval/worked_d8": 0.5, "eval/worked_hard": 0.5}
+    assert feature_metrics(task, rows, [], "eval") == {}
+    assert feature_metrics(object(), rows, texts, "eval") == {}  # a task without features logs none

@@ -39,20 +39,35 @@ PARALLEL_CASES = {
 }
 
 
+def case_overrides(case: str, processes: int) -> list[str]:
+    """The case's overrides; one process runs `parallel=shard` unsharded, i.e. without it."""
+    full = ["optim.micro_batch_size=3", "rollout.prompts_per_step=4", *PARALLEL_CASES[case]]
+    return full if processes > 1 else [o for o in full if o != "parallel=shard"]
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory, warm_cache):
+    """Every case's update by one process, then by two processes on the same rollout (one process
+    group runs all the cases: a spawn costs seconds).  -> {case: (one snapshot, kept, two snapshot)}"""
+    ones, jobs = {}, []
+    for case in PARALLEL_CASES:
+        out = tmp_path_factory.mktemp(case)
+        state = setup(make_cfg(case_overrides(case, 1), cache_dir=warm_cache), str(out / "single"), {})
+        rollout = make_rollout(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward,
+                               [state.parts.task.train[i] for i in range(4)])
+        if case == "dynamic_sampling":  # group 0 (rank 0) uninformative, groups 1-3 informative: keeps 1 and 2
+            rollout.rewards = torch.tensor([0.0] * 4 + [1.0, 0, 0, 0] * 3)
+        torch.save(rollout, out / "rollout.pt")
+        stats, kept = update_on(state, rollout)
+        ones[case] = (snapshot(state, stats), kept)
+        jobs.append((case_overrides(case, 2), str(out / "rollout.pt"), str(out)))
+    mp.spawn(update_on_shard, args=(2, free_port(), jobs, warm_cache), nprocs=2)
+    return {case: (*ones[case], torch.load(os.path.join(job[2], "params.pt"))) for case, job in zip(PARALLEL_CASES, jobs)}
+
+
 @pytest.mark.parametrize("case", list(PARALLEL_CASES))
-def test_two_processes_give_the_single_process_update_on_the_same_batch(tmp_path, case):
-    overrides = ["optim.micro_batch_size=3", "rollout.prompts_per_step=4", *PARALLEL_CASES[case]]
-    single = [o for o in overrides if o != "parallel=shard"]
-    state = setup(make_cfg(single, cache_dir=str(tmp_path / "c")), str(tmp_path / "single"), {})
-    rollout = make_rollout(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward,
-                           [state.parts.task.train[i] for i in range(4)])
-    if case == "dynamic_sampling":  # group 0 (rank 0) uninformative, groups 1-3 informative: keeps 1 and 2
-        rollout.rewards = torch.tensor([0.0] * 4 + [1.0, 0, 0, 0] * 3)
-    torch.save(rollout, tmp_path / "rollout.pt")
-    stats, kept = update_on(state, rollout)
-    mp.spawn(update_on_shard, args=(2, free_port(), overrides, str(tmp_path / "c"), str(tmp_path / "rollout.pt"),
-                                    str(tmp_path)), nprocs=2)
-    two, one = torch.load(tmp_path / "params.pt"), snapshot(state, stats)
+def test_two_processes_give_the_single_process_update_on_the_same_batch(updates, warm_cache, tmp_path, case):
+    one, kept, two = updates[case]
     assert two["kept"] == kept == (2 if case == "dynamic_sampling" else None)
     # the gradient itself (its global norm, before clipping; Adam's first step would hide a scale error)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
@@ -63,7 +78,7 @@ def test_two_processes_give_the_single_process_update_on_the_same_batch(tmp_path
         assert max(diffs.values(), default=0) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
     assert (case == "gae_whitening_and_critic") == bool(one["critic"])
     assert any(not torch.equal(a, b) for a, b in zip(one["params"].values(), setup(
-        make_cfg(single, cache_dir=str(tmp_path / "c")), str(tmp_path / "fresh"), {}).parts.policy.state_dict().values()))
+        make_cfg(case_overrides(case, 1), cache_dir=warm_cache), str(tmp_path / "fresh"), {}).parts.policy.state_dict().values()))
 
 
 def test_each_rank_keeps_whole_groups():
@@ -98,29 +113,27 @@ def torchrun(run_dir, cache, *extra):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_a_two_process_run_writes_once_and_resumes(tmp_path, sharded):
-    extra = ["parallel=shard"] if sharded else []
-    out = torchrun(tmp_path / "run", tmp_path / "c", "steps=2", *extra)
+def test_a_sharded_two_process_run_writes_once_and_resumes_to_the_uninterrupted_metrics(tmp_path, warm_cache):
+    """parallel=shard: rank 0 alone writes; the sharded weights and Adam state go through a full
+    checkpoint and back (a replicated run's resume: the kill -9 test below)."""
+    out = torchrun(tmp_path / "run", warm_cache, "steps=2", "parallel=shard")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2]  # rank 0 alone writes
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["processes"] == 2
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["parallel"] == ("Sharded" if sharded else "Replicated")
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["processes"] == 2 and info["parallel"] == "Sharded"
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
     assert len(state["rng_ranks"]) == 2
-    last = 4 if sharded else 3  # step 4's numbers depend on the Adam state restored after step 2
-    again = torchrun(tmp_path / "run", tmp_path / "c", f"steps={last}", *extra)
+    again = torchrun(tmp_path / "run", warm_cache, "steps=4", "parallel=shard")  # step 4 needs Adam's state of step 2
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("resuming from") == 2  # both ranks
     resumed = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in resumed] == list(range(last + 1))
-    if sharded:  # the sharded weights and Adam state went through a full checkpoint and back
-        whole = torchrun(tmp_path / "whole", tmp_path / "c", f"steps={last}", *extra)
-        assert whole.returncode == 0, whole.stderr[-3000:]
-        uninterrupted = [json.loads(l) for l in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-        for key in ("train/loss", "train/grad_norm", "train/kl", "train/reward"):
-            assert resumed[last][key] == pytest.approx(uninterrupted[last][key], rel=1e-4, abs=1e-7), key
+    assert [l["step"] for l in resumed] == list(range(5))
+    whole = torchrun(tmp_path / "whole", warm_cache, "steps=4", "parallel=shard")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    uninterrupted = [json.loads(l) for l in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("train/loss", "train/grad_norm", "train/kl", "train/reward"):
+        assert resumed[4][key] == pytest.approx(uninterrupted[4][key], rel=1e-4, abs=1e-7), key
 
 
 def kill_all(marker: str) -> None:
@@ -137,14 +150,19 @@ def kill_all(marker: str) -> None:
                 pass
 
 
-def test_a_killed_two_process_run_resumes_to_the_uninterrupted_metrics(tmp_path):
+def test_a_killed_two_process_run_resumes_to_the_uninterrupted_metrics(tmp_path, warm_cache):
     """kill -9 the whole torchrun job after its step-4 checkpoint; the rerun restores every rank's RNG."""
     from test_reliability import metrics
     args = ["steps=10", "checkpoint.every=2", "eval.every=5"]
-    ref = torchrun(tmp_path / "ref", tmp_path / "c", *args)
+    ref = torchrun(tmp_path / "ref", warm_cache, *args)
     assert ref.returncode == 0, ref.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path / "ref")] == list(range(11))  # rank 0 alone writes
+    info = json.loads((tmp_path / "ref" / "run.json").read_text())
+    assert info["processes"] == 2 and info["parallel"] == "Replicated"
+    state = torch.load(tmp_path / "ref" / "checkpoints" / "step_000010" / "trainer_state.pt", weights_only=False)
+    assert len(state["rng_ranks"]) == 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}", f"hydra.run.dir={tmp_path / 'run'}",
+           "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={warm_cache}", f"hydra.run.dir={tmp_path / 'run'}",
            *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -155,19 +173,19 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_metrics(tmp_path)
     kill_all(f"hydra.run.dir={tmp_path / 'run'}")  # the agent and both ranks (torchrun starts them in new sessions)
     proc.wait()
     assert metrics(tmp_path / "run")[-1]["step"] < 10
-    again = torchrun(tmp_path / "run", tmp_path / "c", *args)
+    again = torchrun(tmp_path / "run", warm_cache, *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("resuming from") == 2 and "(step 10)" not in again.stderr  # both ranks, mid-run
     assert metrics(tmp_path / "run") == metrics(tmp_path / "ref")
 
 
-def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path):
+def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path, warm_cache):
     """What srun (or `hydra/launcher=slurm_ddp`) starts: one process per task, with SLURM's
     variables and none of torchrun's; they join one group and train as a two-process run."""
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0",
              "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    tasks = [subprocess.Popen([sys.executable, "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}",
+    tasks = [subprocess.Popen([sys.executable, "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={warm_cache}",
                                f"hydra.run.dir={tmp_path / 'run'}", "steps=2"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
@@ -180,11 +198,11 @@ def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["processes"] == 2
 
 
-def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path):
+def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path, warm_cache):
     """What a scheduler does on preemption: SIGTERM to the launcher, which forwards it to the ranks."""
     from test_reliability import metrics
     cmd = [sys.executable, "-m", "rlkit.parallel.launch", "--nproc_per_node=2", "--master_port", str(free_port()),
-           "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}", f"hydra.run.dir={tmp_path / 'run'}",
+           "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={warm_cache}", f"hydra.run.dir={tmp_path / 'run'}",
            "steps=200", "checkpoint.every=0", "eval.every=0"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -203,9 +221,9 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / f"step_{last:06d}").is_dir()
 
 
-def test_a_failure_on_one_rank_stops_the_others_with_one_named_line(tmp_path):
+def test_a_failure_on_one_rank_stops_the_others_with_one_named_line(tmp_path, warm_cache):
     out = subprocess.run([sys.executable, "-m", "rlkit.parallel.launch", "--nproc_per_node=2", "--master_port",
-                          str(free_port()), "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={tmp_path / 'c'}",
+                          str(free_port()), "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={warm_cache}",
                           f"hydra.run.dir={tmp_path / 'run'}", "rewards=accuracy_format",
                           "++reward.functions.format._target_=helpers.FailsOnRank1", "~reward.functions.format.pattern"],
                          capture_output=True, text=True, timeout=600,

@@ -42,8 +42,8 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_a_trainer_state_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
-    cache = str(tmp_path / "c")
+def test_a_trainer_state_that_would_run_code_is_refused_and_runs_nothing(tmp_path, warm_cache):
+    cache = warm_cache
     run(make_cfg(["steps=2"], cache_dir=cache), str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
     state = checkpoint.load_state(ckpt)  # a real state loads safely (RNG states are plain data)
@@ -55,8 +55,8 @@ def test_a_trainer_state_that_would_run_code_is_refused_and_runs_nothing(tmp_pat
     assert not marker.exists()
 
 
-def test_a_checkpoint_with_numpy_rng_state_from_older_versions_still_resumes(tmp_path):
-    cache = str(tmp_path / "c")
+def test_a_checkpoint_with_numpy_rng_state_from_older_versions_still_resumes(tmp_path, warm_cache):
+    cache = warm_cache
     run(make_cfg(["steps=2"], cache_dir=cache), str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
     state = checkpoint.load_state(ckpt)
@@ -66,8 +66,8 @@ def test_a_checkpoint_with_numpy_rng_state_from_older_versions_still_resumes(tmp
     assert run(make_cfg(["steps=3"], cache_dir=cache), str(tmp_path / "run"))["steps"] == 3
 
 
-def test_starting_over_moves_the_older_run_aside_and_keeps_every_new_checkpoint(tmp_path, capsys):
-    cache = str(tmp_path / "c")
+def test_starting_over_moves_the_older_run_aside_and_keeps_every_new_checkpoint(tmp_path, capsys, warm_cache):
+    cache = warm_cache
     run(make_cfg(["steps=4"], cache_dir=cache), str(tmp_path / "run"))
     old_metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     run(make_cfg(["steps=2", "checkpoint.resume=false", "checkpoint.keep=5"], cache_dir=cache), str(tmp_path / "run"))
@@ -213,9 +213,9 @@ def test_a_damaged_warm_start_cache_is_named_and_trained_again(tmp_path, capsys)
     assert again == {**first, "wall_s": again["wall_s"]}
 
 
-def test_compare_refuses_a_metric_nobody_logged(tmp_path, capsys):
+def test_compare_refuses_a_metric_nobody_logged(tmp_path, capsys, warm_cache):
     from rlkit.compare import main
-    run(make_cfg(["steps=1"], cache_dir=str(tmp_path / "c")), str(tmp_path / "run"))
+    run(make_cfg(["steps=1"], cache_dir=warm_cache), str(tmp_path / "run"))
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "run"), "--metric", "eval/nobody", "--baseline", "grpo"])
     assert e.value.code == 2 and "--metric eval/nobody: no run logged it" in capsys.readouterr().err
@@ -239,8 +239,8 @@ def test_a_hanging_reward_function_is_stopped_by_its_time_limit(tmp_path, blocke
     assert time.time() - t0 < 60
 
 
-def test_a_second_signal_stops_a_hung_scorer_at_once(tmp_path):
-    proc = subprocess.Popen(command(tmp_path / "run", tmp_path / "c", "rewards=accuracy_format",
+def test_a_second_signal_stops_a_hung_scorer_at_once(tmp_path, warm_cache):
+    proc = subprocess.Popen(command(tmp_path / "run", warm_cache, "rewards=accuracy_format",
                                     "++reward.functions.format._target_=helpers.HangingReward",
                                     "~reward.functions.format.pattern", "reward.timeout_s=0", "warm_start.steps=0"),
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": TESTS})
@@ -259,11 +259,11 @@ def test_a_second_signal_stops_a_hung_scorer_at_once(tmp_path):
     assert "stopped at once by a second signal (SIGINT after SIGINT)" in err and "Traceback" not in err
 
 
-def test_a_refused_run_leaves_the_run_directorys_hydra_files_as_they_were(tmp_path):
-    first = cli(tmp_path / "run", tmp_path / "c", "steps=1")
+def test_a_refused_run_leaves_the_run_directorys_hydra_files_as_they_were(tmp_path, warm_cache):
+    first = cli(tmp_path / "run", warm_cache, "steps=1")
     assert first.returncode == 0, first.stderr[-3000:]
     before = {p.name: p.read_text() for p in (tmp_path / "run" / ".hydra").iterdir()}
-    refused = cli(tmp_path / "run", tmp_path / "c", "steps=1", "seed=7", "optim.lr=0.5")
+    refused = cli(tmp_path / "run", warm_cache, "steps=1", "seed=7", "optim.lr=0.5")
     assert refused.returncode == EXIT_BAD_INPUT and "written with different seed, optim" in refused.stderr
     assert {p.name: p.read_text() for p in (tmp_path / "run" / ".hydra").iterdir()} == before
 
@@ -282,8 +282,8 @@ def test_a_reward_weight_that_is_not_finite_is_named(tmp_path, weight):
         run(make_cfg(["rewards=accuracy_format", f"reward.functions.format.weight={weight}"]), str(tmp_path))
 
 
-def test_reward_functions_are_named_in_errors_and_numpy_numbers_are_accepted(tmp_path):
-    cache = str(tmp_path / "c")
+def test_reward_functions_are_named_in_errors_and_numpy_numbers_are_accepted(tmp_path, warm_cache):
+    cache = warm_cache
     cfg = make_cfg(["rewards=accuracy_format", "++reward.functions.format._target_=helpers.NumpyReward",
                     "~reward.functions.format.pattern", "steps=1"], cache_dir=cache)
     assert run(cfg, str(tmp_path / "ok"))["steps"] == 1  # a finite np.float32 is a number
@@ -349,7 +349,7 @@ FUZZ_SEEN = []
 @example("model", "int", "no_tokenizer", [""]).via("every model-path kind at least once")
 @example("model", "int", "corrupt_weights", [""]).via("every model-path kind at least once")
 def test_fuzzed_reward_functions_model_paths_and_math_files_run_or_fail_with_rlkits_message(
-        tmp_path_factory, saved_model, what, odd, model, lines):
+        tmp_path_factory, warm_cache, saved_model, what, odd, model, lines):
     """No traceback from deep inside: each example trains or stops with rlkit's own error."""
     d = tmp_path_factory.mktemp("fuzz")
     if what == "reward":
@@ -371,7 +371,7 @@ def test_fuzzed_reward_functions_model_paths_and_math_files_run_or_fail_with_rlk
         extra = ["task=math", f"task.train={d / 'm.jsonl'}", f"task.eval={d / 'm.jsonl'}", "task.timeout_s=1",
                  "task.prompt_template='{question}='", "warm_start.steps=0", "rollout.max_new_tokens=8"]
     try:
-        run(make_cfg(["steps=1", *extra], cache_dir=str(d / "c")), str(d / "run"))
+        run(make_cfg(["steps=1", *extra], cache_dir=warm_cache), str(d / "run"))
         outcome = "ran"
     except (ConfigError, TaskError) as e:
         assert str(e)

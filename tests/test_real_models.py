@@ -99,8 +99,8 @@ def test_reward_terms_combine_by_sum_or_group_normalised_sum():
     assert group_zscore(torch.tensor([3.0, 3.0]), 2).tolist() == [0.0, 0.0]
 
 
-def test_each_reward_function_is_logged(tmp_path):
-    run(make_cfg(["rewards=accuracy_format", "steps=1"], cache_dir=str(tmp_path / "c")), str(tmp_path))
+def test_each_reward_function_is_logged(tmp_path, warm_cache):
+    run(make_cfg(["rewards=accuracy_format", "steps=1"], cache_dir=warm_cache), str(tmp_path))
     line = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
     assert 0 <= line["reward/accuracy"] <= 1 and line["reward/format"] == 0.0  # the testbed never writes \boxed{}
     assert line["train/reward"] == pytest.approx(line["reward/accuracy"])

@@ -41,30 +41,25 @@ def wait_for(cond, proc, timeout=180):
         time.sleep(0.01)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("warm")
-
-
-def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, cache):
+def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache):
     args = ["steps=14", "checkpoint.every=2", "eval.every=3"]
-    ref = subprocess.run(command(tmp_path / "ref", cache, *args), capture_output=True, text=True, timeout=300)
+    ref = subprocess.run(command(tmp_path / "ref", warm_cache, *args), capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    proc = subprocess.Popen(command(tmp_path / "run", cache, *args), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command(tmp_path / "run", warm_cache, *args), stderr=subprocess.PIPE, text=True)
     wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_000004").exists(), proc)
     proc.kill()
     assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
     partial = metrics(tmp_path / "run")
     assert partial[-1]["step"] < 14
-    again = subprocess.run(command(tmp_path / "run", cache, *args), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(command(tmp_path / "run", warm_cache, *args), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stderr
     assert metrics(tmp_path / "run") == metrics(tmp_path / "ref")
 
 
-def test_sigterm_writes_a_loadable_checkpoint_and_exits_distinctly(tmp_path, cache):
+def test_sigterm_writes_a_loadable_checkpoint_and_exits_distinctly(tmp_path, warm_cache):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(command(run_dir, cache, "steps=200", "checkpoint.every=0", "eval.every=0"),
+    proc = subprocess.Popen(command(run_dir, warm_cache, "steps=200", "checkpoint.every=0", "eval.every=0"),
                             stderr=subprocess.PIPE, text=True)
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) > 3, proc)
     proc.send_signal(signal.SIGTERM)
@@ -81,9 +76,9 @@ def policy_weights(run_dir, step):
     return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "policy" / "model.safetensors")
 
 
-def test_a_planted_nan_skips_that_update_only(tmp_path, cache):
+def test_a_planted_nan_skips_that_update_only(tmp_path, warm_cache):
     cfg = make_cfg(["++advantage._target_=helpers.NaNOnCalls", "++advantage.calls=[2]", "steps=3",
-                    "checkpoint.keep=5", "loss.beta=0"], cache_dir=str(cache))
+                    "checkpoint.keep=5", "loss.beta=0"], cache_dir=warm_cache)
     run(cfg, str(tmp_path))
     lines = metrics(tmp_path)
     assert lines[2].get("train/nonfinite_skipped") == 1 and "train/loss" not in lines[2]
@@ -95,9 +90,9 @@ def test_a_planted_nan_skips_that_update_only(tmp_path, cache):
     assert all(torch.isfinite(v).all() for v in w3.values())
 
 
-def test_too_many_nans_in_a_row_stop_the_run_and_keep_the_good_checkpoint(tmp_path, cache):
+def test_too_many_nans_in_a_row_stop_the_run_and_keep_the_good_checkpoint(tmp_path, warm_cache):
     cfg = make_cfg(["++advantage._target_=helpers.NaNOnCalls", "++advantage.calls=[3,4,5,6]", "steps=6",
-                    "optim.max_nonfinite=2", "checkpoint.keep=9"], cache_dir=str(cache))
+                    "optim.max_nonfinite=2", "checkpoint.keep=9"], cache_dir=warm_cache)
     with pytest.raises(NonFiniteError, match="2 non-finite updates in a row \\(last at step 4\\)"):
         run(cfg, str(tmp_path))
     good, after = policy_weights(tmp_path, 2), policy_weights(tmp_path, 4)
@@ -128,9 +123,9 @@ def test_bad_rows_are_reported_before_training(tmp_path, train, message):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_file_task_trains_from_files_it_loads(tmp_path, cache):
+def test_file_task_trains_from_files_it_loads(tmp_path, warm_cache):
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(5)]
-    summary = run(make_cfg(file_task(tmp_path, rows, rows[:4]), cache_dir=str(cache)), str(tmp_path / "run"))
+    summary = run(make_cfg(file_task(tmp_path, rows, rows[:4]), cache_dir=warm_cache), str(tmp_path / "run"))
     assert summary["steps"] == 2 and 0 <= summary["accuracy_after"] <= 1
 
 
@@ -140,19 +135,19 @@ def test_empty_split_is_reported(tmp_path):
         run(make_cfg(file_task(tmp_path, GOOD)[:2] + [f"task.eval_path={tmp_path / 'empty.jsonl'}"]), str(tmp_path / "r"))
 
 
-def test_reward_function_that_raises_names_row_and_completion(tmp_path, cache, monkeypatch):
+def test_reward_function_that_raises_names_row_and_completion(tmp_path, warm_cache, monkeypatch):
     import helpers
     from rlkit.tasks.arithmetic import Arithmetic
     monkeypatch.setattr(Arithmetic, "reward", staticmethod(helpers.raising_reward))
     with pytest.raises(TaskError, match=r"reward function raised on row \d+ \(prompt '.*', completion '1.*'\): KeyError"):
-        run(make_cfg(["steps=3", "warm_start.steps=0", "rollout.temperature=2.0"], cache_dir=str(cache)), str(tmp_path))
+        run(make_cfg(["steps=3", "warm_start.steps=0", "rollout.temperature=2.0"], cache_dir=warm_cache), str(tmp_path))
 
 
-def test_reward_that_is_not_a_number_is_reported(tmp_path, cache, monkeypatch):
+def test_reward_that_is_not_a_number_is_reported(tmp_path, warm_cache, monkeypatch):
     from rlkit.tasks.arithmetic import Arithmetic
     monkeypatch.setattr(Arithmetic, "reward", lambda self, row, text: "yes")
     with pytest.raises(TaskError, match=r"reward function returned 'yes' for row 0"):
-        run(make_cfg([], cache_dir=str(cache)), str(tmp_path))
+        run(make_cfg([], cache_dir=warm_cache), str(tmp_path))
 
 
 def test_prompt_longer_than_the_context_is_reported(tmp_path):
@@ -167,18 +162,18 @@ def test_unwritable_output_directory_is_reported(tmp_path):
         run(make_cfg([]), str(tmp_path / "file" / "run"))
 
 
-def test_micro_batches_need_not_divide_the_batch(tmp_path, cache):
-    whole = run(make_cfg(["steps=1"], cache_dir=str(cache)), str(tmp_path / "a"))
-    split = run(make_cfg(["steps=1", "optim.micro_batch_size=5"], cache_dir=str(cache)), str(tmp_path / "b"))
+def test_micro_batches_need_not_divide_the_batch(tmp_path, warm_cache):
+    whole = run(make_cfg(["steps=1"], cache_dir=warm_cache), str(tmp_path / "a"))
+    split = run(make_cfg(["steps=1", "optim.micro_batch_size=5"], cache_dir=warm_cache), str(tmp_path / "b"))
     a, b = metrics(tmp_path / "a")[1], metrics(tmp_path / "b")[1]
     assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
     assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
     assert whole["accuracy_after"] == split["accuracy_after"]
 
 
-def test_same_seed_same_config_same_metrics(tmp_path, cache):
+def test_same_seed_same_config_same_metrics(tmp_path, warm_cache):
     for name in ("a", "b"):
-        run(make_cfg(["steps=3", "optim.epochs=2", "algo=ppo"], cache_dir=str(cache)), str(tmp_path / name))
+        run(make_cfg(["steps=3", "optim.epochs=2", "algo=ppo"], cache_dir=warm_cache), str(tmp_path / name))
     assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
 
 
@@ -216,11 +211,11 @@ FUZZ_COUNTS = {"ran": 0, "clean_error": 0}
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.dictionaries(st.sampled_from(sorted(FUZZ)), st.integers(0, 10), min_size=1, max_size=4))
-def test_fuzzed_overrides_run_or_fail_with_a_clear_error(tmp_path_factory, picks):
+def test_fuzzed_overrides_run_or_fail_with_a_clear_error(tmp_path_factory, warm_cache, picks):
     overrides = [f"{k}={FUZZ[k][i % len(FUZZ[k])]}" for k, i in picks.items()]
     run_dir = tmp_path_factory.mktemp("fuzz")
     try:
-        run(make_cfg(["steps=1", *overrides], cache_dir=str(run_dir / "cache")), str(run_dir))
+        run(make_cfg(["steps=1", *overrides], cache_dir=warm_cache), str(run_dir))
         FUZZ_COUNTS["ran"] += 1
     except CLEAN as e:
         assert str(e), overrides

@@ -41,7 +41,7 @@ def test_a_parallel_sweep_on_an_empty_cache_warm_starts_once_and_every_job_uses_
 
 
 @pytest.mark.parametrize("fmt", ["csv", "json"])
-def test_file_task_with_numeric_answers_trains(tmp_path, fmt):
+def test_file_task_with_numeric_answers_trains(tmp_path, fmt, warm_cache):
     rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(5) for b in range(5)]  # answers are ints
     if fmt == "csv":
         for name in ("train", "eval"):
@@ -50,7 +50,7 @@ def test_file_task_with_numeric_answers_trains(tmp_path, fmt):
                  f"task.eval_path={tmp_path / 'eval.csv'}"]
     else:
         files = file_task(tmp_path, rows, rows[:4])
-    summary = run(make_cfg(files + ["steps=1"], cache_dir=str(tmp_path / "c")), str(tmp_path / "run"))
+    summary = run(make_cfg(files + ["steps=1"], cache_dir=warm_cache), str(tmp_path / "run"))
     assert summary["steps"] == 1
 
 
@@ -64,21 +64,21 @@ def remove_weights(ckpt):
 
 
 @pytest.mark.parametrize("damage", [damage_state, remove_weights])
-def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(tmp_path, capsys, damage):
-    run(make_cfg(["steps=3", "checkpoint.keep=3"], cache_dir=str(tmp_path / "c")), str(tmp_path))
+def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(tmp_path, capsys, damage, warm_cache):
+    run(make_cfg(["steps=3", "checkpoint.keep=3"], cache_dir=warm_cache), str(tmp_path))
     damage(tmp_path / "checkpoints" / "step_000003")
     capsys.readouterr()
-    run(make_cfg(["steps=4", "checkpoint.keep=3"], cache_dir=str(tmp_path / "c")), str(tmp_path))
+    run(make_cfg(["steps=4", "checkpoint.keep=3"], cache_dir=warm_cache), str(tmp_path))
     err = capsys.readouterr().err
     assert "checkpoint" in err and "step_000003 is damaged" in err and "resuming from" in err and "step_000002" in err
     assert [l["step"] for l in metrics(tmp_path)] == [0, 1, 2, 3, 4]
 
 
-def test_no_intact_checkpoint_is_refused_rather_than_starting_over(tmp_path):
-    run(make_cfg(["steps=1"], cache_dir=str(tmp_path / "c")), str(tmp_path))
+def test_no_intact_checkpoint_is_refused_rather_than_starting_over(tmp_path, warm_cache):
+    run(make_cfg(["steps=1"], cache_dir=warm_cache), str(tmp_path))
     damage_state(tmp_path / "checkpoints" / "step_000001")
     with pytest.raises(ConfigError, match="no intact checkpoint .* checkpoint.resume=false"):
-        run(make_cfg(["steps=2"], cache_dir=str(tmp_path / "c")), str(tmp_path))
+        run(make_cfg(["steps=2"], cache_dir=warm_cache), str(tmp_path))
     assert [l["step"] for l in metrics(tmp_path)] == [0, 1]  # nothing lost
 
 
@@ -100,20 +100,20 @@ def test_compare_keeps_the_last_of_repeated_steps_and_says_so(tmp_path, capsys):
     assert "has step 0 more than once" in out.err and "0.400" in out.out
 
 
-def test_a_torn_last_metrics_line_is_dropped_on_resume_naming_the_file(tmp_path, capsys):
-    run(make_cfg(["steps=2"], cache_dir=str(tmp_path / "c")), str(tmp_path))
+def test_a_torn_last_metrics_line_is_dropped_on_resume_naming_the_file(tmp_path, capsys, warm_cache):
+    run(make_cfg(["steps=2"], cache_dir=warm_cache), str(tmp_path))
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "train/rew')
-    run(make_cfg(["steps=3"], cache_dir=str(tmp_path / "c")), str(tmp_path))
+    run(make_cfg(["steps=3"], cache_dir=warm_cache), str(tmp_path))
     assert f"{tmp_path / 'metrics.jsonl'} line 4 is not valid JSON" in capsys.readouterr().err
     assert [l["step"] for l in metrics(tmp_path)] == [0, 1, 2, 3]
 
 
-def test_rerunning_a_finished_run_keeps_its_summary(tmp_path, capsys):
-    first = run(make_cfg([], cache_dir=str(tmp_path / "c")), str(tmp_path))
+def test_rerunning_a_finished_run_keeps_its_summary(tmp_path, capsys, warm_cache):
+    first = run(make_cfg([], cache_dir=warm_cache), str(tmp_path))
     steps_time = sum(l["time/step"] for l in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()[1:]))
     assert first["wall_s"] > steps_time  # set-up, warm start and evaluations count too
-    assert run(make_cfg([], cache_dir=str(tmp_path / "c")), str(tmp_path)) == first
+    assert run(make_cfg([], cache_dir=warm_cache), str(tmp_path)) == first
     assert "had already finished at step 2" in capsys.readouterr().err
     assert json.loads((tmp_path / "summary.json").read_text()) == first
 
@@ -124,10 +124,10 @@ def test_rerunning_a_finished_run_keeps_its_summary(tmp_path, capsys):
     ("pg", r"returned advantages of shape \(4, 4\)"),
     ("raise", r"advantage=WrongShape raised on a rollout of 16 rows: IndexError: plugin bug"),
 ])
-def test_a_plugin_estimator_with_a_bug_is_named_before_any_update(tmp_path, shape, message):
+def test_a_plugin_estimator_with_a_bug_is_named_before_any_update(tmp_path, shape, message, warm_cache):
     cfg = make_cfg(["++advantage._target_=helpers.WrongShape", f"++advantage.shape={shape}", "~advantage.std",
                     "~advantage.eps", "~advantage.std_scope", "rollout.max_new_tokens=12", "loss.beta=0"],
-                   cache_dir=str(tmp_path / "c"))
+                   cache_dir=warm_cache)
     with pytest.raises(ConfigError, match=message):
         run(cfg, str(tmp_path))
     assert [l["step"] for l in metrics(tmp_path)] == [0] and not (tmp_path / "checkpoints").exists()

@@ -121,10 +121,10 @@ seeds: {{pilot: 2, cap: 2}}
 """
 
 
-def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_path):
+def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_path, warm_cache):
     folder = tmp_path / "experiments" / "tiny"
     folder.mkdir(parents=True)
-    (folder / "study.yaml").write_text(TINY.format(config=json.dumps([*FAST, f"warm_start.cache_dir={tmp_path}/c"])))
+    (folder / "study.yaml").write_text(TINY.format(config=json.dumps([*FAST, f"warm_start.cache_dir={warm_cache}"])))
     (folder / "README.md").write_text("# Tiny\n\nHand-written setup, kept.\n")
     cmd = [sys.executable, "-m", "rlkit.study", "tiny"]
     runs = tmp_path / "outputs" / "studies" / "tiny"

@@ -16,10 +16,10 @@ from rlkit.train import run
 from wandb_files import read_records
 
 
-def test_multirun_over_two_variants_writes_two_run_directories(tmp_path):
+def test_multirun_over_two_variants_writes_two_run_directories(tmp_path, warm_cache):
     out = subprocess.run([sys.executable, "-m", "rlkit.train", "-m", "advantage=grpo,rloo", "seed=0", *FAST,
                           "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-                          f"warm_start.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          f"warm_start.cache_dir={warm_cache}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.jsonl"))
@@ -40,8 +40,8 @@ def test_launcher_configs_compose(launcher, target):
     assert launcher != "slurm_ddp" or cfg.hydra.launcher.tasks_per_node == cfg.hydra.launcher.gpus_per_node == 8
 
 
-def test_experiment_compare_estimators_composes_and_runs_one_step(tmp_path):
-    cfg = make_cfg(["+experiment=compare_estimators", "steps=1"], cache_dir=str(tmp_path / "cache"))
+def test_experiment_compare_estimators_composes_and_runs_one_step(tmp_path, warm_cache):
+    cfg = make_cfg(["+experiment=compare_estimators", "steps=1"], cache_dir=warm_cache)
     with initialize_config_module(config_module="rlkit.conf", version_base=None):
         hcfg = compose("config", overrides=["+experiment=compare_estimators"], return_hydra_config=True)
     assert hcfg.hydra.sweeper.params.advantage == "grpo,dr_grpo,rloo,gae" and hcfg.eval.every == 20
@@ -49,9 +49,9 @@ def test_experiment_compare_estimators_composes_and_runs_one_step(tmp_path):
     assert run(cfg, str(tmp_path / "run"))["steps"] == 1
 
 
-def test_offline_wandb_run_holds_config_history_and_samples(tmp_path, monkeypatch):
+def test_offline_wandb_run_holds_config_history_and_samples(tmp_path, monkeypatch, warm_cache):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = make_cfg(["logger=wandb", "steps=3", "samples_every=2", "logger.group=study"], cache_dir=str(tmp_path / "c"))
+    cfg = make_cfg(["logger=wandb", "steps=3", "samples_every=2", "logger.group=study"], cache_dir=warm_cache)
     run(cfg, str(tmp_path), {"choices": {"algo": "grpo", "advantage": "grpo"}})
     wandb.teardown()  # wandb's service closes the .wandb file up to ~0.1 s after run.finish(); wait for it
     [data] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -71,8 +71,8 @@ def test_offline_wandb_run_holds_config_history_and_samples(tmp_path, monkeypatc
     assert info.run_group == "study" and "advantage:grpo" in list(info.tags)
 
 
-def test_wandb_failure_does_not_stop_training(tmp_path, capsys):
-    cfg = make_cfg(["logger=wandb", "logger.mode=bogus", "steps=1"], cache_dir=str(tmp_path / "c"))
+def test_wandb_failure_does_not_stop_training(tmp_path, capsys, warm_cache):
+    cfg = make_cfg(["logger=wandb", "logger.mode=bogus", "steps=1"], cache_dir=warm_cache)
     assert run(cfg, str(tmp_path))["steps"] == 1
     assert capsys.readouterr().err.count("wandb could not start") == 1
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
@@ -117,12 +117,12 @@ def test_compare_groups_by_config_keys_and_names_missing_ones(tmp_path):
         compare_main([str(tmp_path), "--by", "advantage"])
 
 
-def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch, warm_cache):
     import torch
     monkeypatch.setenv("WANDB_MODE", "offline")
     ids = []
     for steps in (2, 4):
-        run(make_cfg(["logger=wandb", f"steps={steps}", "checkpoint.keep=5"], cache_dir=str(tmp_path / "c")),
+        run(make_cfg(["logger=wandb", f"steps={steps}", "checkpoint.keep=5"], cache_dir=warm_cache),
             str(tmp_path / "run"))
         state = torch.load(tmp_path / "run" / "checkpoints" / f"step_{steps:06d}" / "trainer_state.pt", weights_only=False)
         ids.append(state["run_id"])

@@ -53,8 +53,10 @@ def test_several_updates_per_rollout_use_stored_old_logprobs(fast_cfg, tmp_path)
 def test_resume_continues_from_the_last_checkpoint(fast_cfg, tmp_path):
     run(fast_cfg("steps=2"), str(tmp_path))
     summary = run(fast_cfg("steps=4"), str(tmp_path))
-    assert [l["step"] for l in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+    lines = read_metrics(tmp_path)
+    assert [l["step"] for l in lines] == [0, 1, 2, 3, 4]
     assert summary["steps"] == 4
+    assert 0 <= lines[0]["eval/worked"] <= 1 and 0 <= lines[1]["train/worked_d2"] <= 1  # the format the policy chose
 
 
 def test_resume_with_a_different_config_is_refused_naming_the_keys(fast_cfg, tmp_path):

@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from rlkit.guards import EXIT_PREEMPTED
+from rlkit.exits import EXIT_PREEMPTED
 
 
 def main(argv: list[str] | None = None) -> None:

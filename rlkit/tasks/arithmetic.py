@@ -77,6 +77,12 @@ class Arithmetic(Task):
             acc += t
         return ";".join(steps + [str(acc)])
 
+    @staticmethod
+    def features(completion: str) -> dict:
+        """`worked`: the completion shows partial sums (logged as `train/worked`, `eval/worked`, per
+        difficulty): which format the policy chose."""
+        return {"worked": float(";" in completion)}
+
     def reward(self, row: dict, completion: str) -> float:
         final = completion.split(";")[-1]
         return float(_parse_int(final) == int(row["answer"]))
