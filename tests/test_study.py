@@ -174,3 +174,13 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert changed.returncode == 2 and "dr_grpo seed 0 was recorded with overrides" in changed.stderr
     assert len(read_records(folder / "results")) == 4 and (folder / "README.md").read_text() == readme
+
+
+def test_the_study_testbed_probe_table_is_the_one_its_readme_shows():
+    """experiments/study_testbed/README.md's table comes from the kept probes alone, by one command."""
+    import importlib.util
+    folder = REPO / "experiments" / "study_testbed"
+    spec = importlib.util.spec_from_file_location("probes", folder / "probes.py")
+    probes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probes)
+    assert probes.table() in (folder / "README.md").read_text()

@@ -35,15 +35,16 @@ def fmt(v) -> str:
 
 
 def table() -> str:
-    out = ["| probe | overrides (besides the shared ones) | steps | " + " | ".join(f"{m} start -> end" for m in EVAL)
-           + " | train/entropy first 20 -> last 20 steps |", "|---" * (4 + len(EVAL)) + "|"]
+    out = ["| probe | kernels | overrides (besides the shared ones) | steps | " + " | ".join(f"{m} start -> end" for m in EVAL)
+           + " | train/entropy first 20 -> last 20 steps |", "|---" * (5 + len(EVAL)) + "|"]
     for path in sorted(HERE.glob("*.jsonl.gz")):
         head, rows = load(path)
         evals = [r for r in rows if "eval/accuracy" in r]
         ent = [r["train/entropy"] for r in rows if "train/entropy" in r]
         mean = (lambda xs: sum(xs) / len(xs) if xs else None)
         shared = {"logger=jsonl", "threads=1", "checkpoint.every=0", "samples_every=0"}
-        out.append(f"| {head['name']} | {' '.join(o for o in head['overrides'] if o not in shared and not o.startswith('hydra'))} "
+        out.append(f"| {head['name']} | {head['hardware']['cpu_capability']} | "
+                   f"{' '.join(o for o in head['overrides'] if o not in shared and not o.startswith('hydra'))} "
                    f"| {rows[-1]['step']} | " + " | ".join(f"{fmt(evals[0].get(m))} -> {fmt(evals[-1].get(m))}" for m in EVAL)
                    + f" | {fmt(mean(ent[:20]))} -> {fmt(mean(ent[-20:]))} |")
     return "\n".join(out)
