@@ -44,6 +44,8 @@ class OptimConfig:
     weight_decay: float = 0.0        # AdamW weight decay
     beta1: float = 0.9               # AdamW beta1
     beta2: float = 0.99              # AdamW beta2
+    eps: float = 1e-8                # AdamW epsilon; far above a weight's typical gradient it turns Adam into
+                                     # momentum SGD with step lr/eps, whose noise shrinks with the batch
     max_grad_norm: float = 1.0       # gradient clipping (global norm)
     epochs: int = 1                  # passes over each rollout
     mini_batches: int = 1            # optimizer steps per pass (split by groups)
@@ -201,6 +203,7 @@ def check_values(cfg: DictConfig) -> None:
     require(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
     require(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     require(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
+    require(op.eps > 0, f"optim.eps must be > 0, got {op.eps}")
     require(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
     require(op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}")
     require(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")

@@ -112,7 +112,7 @@ def build_parts(cfg: DictConfig, c: Components, device: torch.device, stop) -> t
     O = cfg.optim
     critic = build(cfg, "critic", policy=policy, max_grad_norm=O.max_grad_norm) if c.advantage.needs_critic else None
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
-    optimizer = torch.optim.AdamW(trainable, lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2))
+    optimizer = torch.optim.AdamW(trainable, lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2), eps=O.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
     sampler = build(cfg, "sampler", dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
     engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)

@@ -37,6 +37,7 @@ def test_wrong_type_fails_at_compose_time():
 @pytest.mark.parametrize("override, message", [
     ("rollout.group_size=1", r"rollout.group_size >= 2"),
     ("optim.lr=0", r"optim.lr must be > 0"),
+    ("optim.eps=0", r"optim.eps must be > 0"),
     ("optim.lr=-1e-3", r"optim.lr must be > 0"),
     ("steps=0", r"steps must be >= 1"),
     ("rollout.max_new_tokens=0", r"rollout.max_new_tokens must be >= 1"),

@@ -109,3 +109,9 @@ def test_the_shuffled_reward_control_permutes_the_steps_rewards(fast_cfg, tmp_pa
                    for s in samples)
     assert [s["completion"] for s in logs[False, "samples"]] == [s["completion"] for s in logs[True, "samples"]]
     assert mismatched(logs[False, "samples"]) == 0 and mismatched(logs[True, "samples"]) > 0
+
+
+def test_adam_epsilon_reaches_the_optimizer(fast_cfg, tmp_path):
+    from rlkit.setup import setup
+    state = setup(fast_cfg("optim.eps=0.5"), str(tmp_path), {})
+    assert [g["eps"] for g in state.parts.optimizer.param_groups] == [0.5]
