@@ -37,7 +37,7 @@ def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int, samp
     ok, lens, texts = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E], [E], E
     out = {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok]),
            **by_difficulty(rows_all, ok.float(), "eval/acc"), **hardest_third(rows_all, ok.float(), "eval/acc"),
-           **feature_metrics(task, rows_all, texts, "eval")}
+           **feature_metrics(task, rows_all, texts, "eval", hard=True)}
     if samples:
         repeated = [r for r in rows_all for _ in range(samples)]  # E * k rows, each prompt's k together
         with torch.random.fork_rng():

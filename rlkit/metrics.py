@@ -78,10 +78,11 @@ def hardest_third(rows: list[dict], values: torch.Tensor, name: str) -> dict:
     return {f"{name}_hard": mean_or_none(values[hard])}
 
 
-def feature_metrics(task, rows: list[dict], texts: list[str], prefix: str) -> dict:
+def feature_metrics(task, rows: list[dict], texts: list[str], prefix: str, hard: bool = False) -> dict:
     """The task's own per-completion features (`task.features(completion) -> {name: value}`, e.g.
     arithmetic's `worked`: the answer shows its steps), each as `<prefix>/<name>`: the mean overall,
-    per difficulty level and over the hardest third. {} for a task without features."""
+    per difficulty level and, with `hard` (a fixed set of rows), over the hardest third. {} for a
+    task without features."""
     if not texts or not hasattr(task, "features"):
         return {}
     feats = [task.features(t) for t in texts]
@@ -89,7 +90,7 @@ def feature_metrics(task, rows: list[dict], texts: list[str], prefix: str) -> di
     for name in feats[0]:
         v = torch.tensor([float(f[name]) for f in feats])  # [N]
         key = f"{prefix}/{name}"
-        out.update({key: mean_or_none(v), **by_difficulty(rows, v, key), **hardest_third(rows, v, key)})
+        out.update({key: mean_or_none(v), **by_difficulty(rows, v, key), **(hardest_third(rows, v, key) if hard else {})})
     return out
 
 

@@ -74,8 +74,9 @@ def test_the_share_of_worked_answers_by_difficulty_by_hand():
     task = build(make_cfg(["task=arithmetic_wide", "task.n_train=300", "task.n_eval=50"]), "task")
     rows = [{"difficulty": d} for d in (2, 2, 5, 8, 8)]  # levels 2, 5, 8: the hardest third is level 8
     texts = ["1+2=3;3", "3", "1+2=3;3+4=7;7+1=8;8+0=8;8", "36", "1+2=3;oops"]
-    m = feature_metrics(task, rows, texts, "eval")
+    m = feature_metrics(task, rows, texts, "eval", hard=True)
     assert m == {"eval/worked": pytest.approx(3 / 5), "eval/worked_d2": 0.5, "eval/worked_d5": 1.0,
                  "eval/worked_d8": 0.5, "eval/worked_hard": 0.5}
+    assert "train/worked_hard" not in feature_metrics(task, rows, texts, "train")  # a batch's levels vary
     assert feature_metrics(task, rows, [], "eval") == {}
     assert feature_metrics(object(), rows, texts, "eval") == {}  # a task without features logs none
