@@ -4,8 +4,14 @@ prompts (greedy, and 2 samples per prompt at temperature 1). An RL step of Adam 
 by about lr; 400 steps at lr 1e-5 move a weight about 1e-4 in a random walk.
 
     python experiments/study_testbed/perturb.py [OVERRIDES...]   # default: the W30 probes' warm start
+    python experiments/study_testbed/perturb.py --moved RUN_DIR...  # how far each run moved its weights
+
+`--moved` compares a run's last checkpoint with the warm start it began from (RMS and largest
+change over every weight), to set the sigmas above beside what RL actually did.
 """
+import json
 import sys
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
@@ -36,5 +42,19 @@ def main(overrides: list[str]) -> None:
         print(f"| {sigma:g} | " + " | ".join(f"{r[k]:.3f}" for k in KEYS) + " |", flush=True)
 
 
+def moved(run_dir: Path) -> str:
+    from safetensors.torch import load_file
+    start = torch.load(Path(json.loads((run_dir / "run.json").read_text())["warm_start"]["cache"]) / "weights.pt",
+                       weights_only=True)
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    end = load_file(str(last / "policy" / "model.safetensors"))
+    d = torch.cat([(end[k] - start[k]).flatten() for k in end])  # [weights]
+    return f"| {run_dir.name} | {last.name} | {d.pow(2).mean().sqrt():.2e} | {d.abs().max():.2e} |"
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--moved"]:
+        print("| run | checkpoint | RMS change | largest change |\n|---|---|---|---|")
+        print("\n".join(moved(Path(d)) for d in sys.argv[2:]))
+    else:
+        main(sys.argv[1:])
