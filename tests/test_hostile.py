@@ -44,34 +44,31 @@ class Payload:
 
 
 def test_a_trainer_state_that_would_run_code_is_refused_and_runs_nothing(tmp_path, warm_cache):
-    cache = warm_cache
-    run(make_cfg(["steps=2"], cache_dir=cache), str(tmp_path / "run"))
+    run(make_cfg(["steps=2"], cache_dir=warm_cache), str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
     state = checkpoint.load_state(ckpt)  # a real state loads safely (RNG states are plain data)
     marker = tmp_path / "pwned"
     torch.save({**state, "sampler": Payload(marker)}, ckpt / "trainer_state.pt")
     checkpoint.write_manifest(ckpt)  # the attacker recomputes the checksums too
     with pytest.raises(ConfigError, match=r"trainer_state.pt holds objects other than tensors.*refusing"):
-        run(make_cfg(["steps=3"], cache_dir=cache), str(tmp_path / "run"))
+        run(make_cfg(["steps=3"], cache_dir=warm_cache), str(tmp_path / "run"))
     assert not marker.exists()
 
 
 def test_a_checkpoint_with_numpy_rng_state_from_older_versions_still_resumes(tmp_path, warm_cache):
-    cache = warm_cache
-    run(make_cfg(["steps=2"], cache_dir=cache), str(tmp_path / "run"))
+    run(make_cfg(["steps=2"], cache_dir=warm_cache), str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
     state = checkpoint.load_state(ckpt)
     old = [{**r, "numpy": np.random.get_state()} for r in state["rng_ranks"]]  # as earlier versions wrote it
     torch.save({**state, "rng_ranks": old}, ckpt / "trainer_state.pt")
     checkpoint.write_manifest(ckpt)
-    assert run(make_cfg(["steps=3"], cache_dir=cache), str(tmp_path / "run"))["steps"] == 3
+    assert run(make_cfg(["steps=3"], cache_dir=warm_cache), str(tmp_path / "run"))["steps"] == 3
 
 
 def test_starting_over_moves_the_older_run_aside_and_keeps_every_new_checkpoint(tmp_path, capsys, warm_cache):
-    cache = warm_cache
-    run(make_cfg(["steps=4"], cache_dir=cache), str(tmp_path / "run"))
+    run(make_cfg(["steps=4"], cache_dir=warm_cache), str(tmp_path / "run"))
     old_metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
-    run(make_cfg(["steps=2", "checkpoint.resume=false", "checkpoint.keep=5"], cache_dir=cache), str(tmp_path / "run"))
+    run(make_cfg(["steps=2", "checkpoint.resume=false", "checkpoint.keep=5"], cache_dir=warm_cache), str(tmp_path / "run"))
     assert "the earlier run's files" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert [l["step"] for l in metrics(tmp_path / "run")] == [0, 1, 2]
@@ -80,7 +77,7 @@ def test_starting_over_moves_the_older_run_aside_and_keeps_every_new_checkpoint(
     assert (previous / "metrics.jsonl").read_text() == old_metrics
     assert sorted(p.name for p in (previous / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
     # resuming the new run finds the new run's checkpoint, not the older run's step 4
-    assert run(make_cfg(["steps=3"], cache_dir=cache), str(tmp_path / "run"))["steps"] == 3
+    assert run(make_cfg(["steps=3"], cache_dir=warm_cache), str(tmp_path / "run"))["steps"] == 3
     assert [l["step"] for l in metrics(tmp_path / "run")] == [0, 1, 2, 3]
 
 
@@ -285,13 +282,12 @@ def test_a_reward_weight_that_is_not_finite_is_named(tmp_path, weight):
 
 
 def test_reward_functions_are_named_in_errors_and_numpy_numbers_are_accepted(tmp_path, warm_cache):
-    cache = warm_cache
     cfg = make_cfg(["rewards=accuracy_format", "++reward.functions.format._target_=helpers.NumpyReward",
-                    "~reward.functions.format.pattern", "steps=1"], cache_dir=cache)
+                    "~reward.functions.format.pattern", "steps=1"], cache_dir=warm_cache)
     assert run(cfg, str(tmp_path / "ok"))["steps"] == 1  # a finite np.float32 is a number
     cfg = make_cfg(["rewards=accuracy_format", "++reward.functions.format._target_=helpers.NumpyReward",
                     "~reward.functions.format.pattern", "++reward.functions.format.value=nan", "steps=1"],
-                   cache_dir=cache)
+                   cache_dir=warm_cache)
     with pytest.raises(TaskError, match=r"reward.functions.format returned \S*nan\S* for row 0"):
         run(cfg, str(tmp_path / "nan"))
 
