@@ -26,7 +26,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     if kind == "k2":
         return 0.5 * log_ratio ** 2
     if kind == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1
+        return torch.expm1(-log_ratio) + log_ratio  # exp(-x) - 1 + x without the rounding that dips below 0
     raise ValueError(f"loss.kl_estimator must be one of k1, k2, k3, got {kind!r}")
 
 
