@@ -13,7 +13,6 @@ import torch
 from rlkit import parallel
 
 from rlkit.config import ConfigError
-from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE  # noqa: F401
 
 
 class Preempted(Exception):

@@ -20,8 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from rlkit import files, parallel
 from rlkit.checkpoint import HYDRA_FILES
 from rlkit.config import ConfigError
-from rlkit.guards import (EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE, NonFiniteError, Preempted,
-                          StoppedAtOnce, check_writable)
+from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE
+from rlkit.guards import NonFiniteError, Preempted, StoppedAtOnce, check_writable
 from rlkit.hardware import PORTABLE_ENV
 from rlkit.loop import run
 from rlkit.tasks.base import TaskError

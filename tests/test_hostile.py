@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, Phase, example, given, settings, strategies 
 from conftest import FAST, make_cfg
 from rlkit import checkpoint
 from rlkit.config import ConfigError
-from rlkit.guards import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_STORAGE, check_resume
+from rlkit.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_STORAGE
+from rlkit.guards import check_resume
 from rlkit.logging import _truncate
 from rlkit.tasks.base import TaskError
 from rlkit.train import run

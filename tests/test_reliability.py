@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import FAST, make_cfg
 from rlkit.config import ConfigError
-from rlkit.guards import EXIT_PREEMPTED, NonFiniteError
+from rlkit.exits import EXIT_PREEMPTED
+from rlkit.guards import NonFiniteError
 from rlkit.tasks.base import TaskError
 from rlkit.train import run
 
