@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
 import time
@@ -122,9 +123,11 @@ def load_state(path: Path) -> dict:
         with torch.serialization.safe_globals(NUMPY_ARRAYS):
             return torch.load(path / STATE, weights_only=True)
     except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))  # not torch's advice to load it unsafely
         raise UnsafeCheckpoint(f"{path / STATE} holds objects other than tensors and plain data, which rlkit "
-                               f"never writes; refusing to load it (it could run code). {str(e).splitlines()[0]}") \
-            from None
+                               f"never writes ({f'it names {found.group(1)}' if found else 'an object rlkit does not allow'}); "
+                               "refusing to load it, since loading it could run code. Do not load it by other means "
+                               "unless you wrote it yourself") from None
 
 
 # ---- a run's checkpoints: save every process's part, resume, or set an earlier run aside ----------------------
@@ -185,10 +188,12 @@ def resume(run: Run) -> None:
     print(f"rlkit: resuming from {last} (step {state['step']})", file=sys.stderr)
 
 
-def set_aside(run_dir: str) -> Path | None:
+def set_aside(run_dir: str, earlier_hydra: dict | None = None) -> Path | None:
     """Starting over (`checkpoint.resume=false`) in a directory that holds an earlier run: its files
     (checkpoints, metrics, summary, wandb) move to `previous_runs/<time>/`, so nothing of it mixes
-    with the new run and nothing is deleted."""
+    with the new run and nothing is deleted. `earlier_hydra` (relative name -> bytes) holds the
+    earlier run's `.hydra/` files, which Hydra has already overwritten with this run's; they are
+    written back there."""
     old = [p for p in Path(run_dir).iterdir() if p.name not in HYDRA_FILES | {PREVIOUS}]
     if not old:
         return None
@@ -198,5 +203,8 @@ def set_aside(run_dir: str) -> Path | None:
     dest.mkdir(parents=True)
     for p in old:
         os.replace(p, dest / p.name)
+    for name, data in (earlier_hydra or {}).items():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(data)
     print(f"rlkit: checkpoint.resume=false: the earlier run's files in {run_dir} moved to {dest}", file=sys.stderr)
     return dest

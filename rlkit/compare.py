@@ -11,13 +11,17 @@ from collections import defaultdict
 from pathlib import Path
 
 from rlkit import stats
-from rlkit.runs import (Run, aggregate, aggregate_name, differing_keys, finished_only, load_runs, load_wandb_runs,  # noqa: F401
-                        parse_aggregate, warn, x_of)
+from rlkit.runs import (WARNINGS, Run, aggregate, aggregate_name, differing_keys, finished_only, load_runs,  # noqa: F401
+                        load_wandb_runs, parse_aggregate, warn, x_of)
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond
 T95 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
        2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555,
        2.0518, 2.0484, 2.0452, 2.0423]
+
+
+class BadArgument(ValueError):
+    """A command-line value that does not fit the runs (exit 2 with the usage line)."""
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
@@ -35,8 +39,8 @@ def group_runs(runs: list[Run], by: list[str]) -> dict[tuple, list[Run]]:
     for run in runs:
         missing = [k for k in by if k not in run.keys]
         if missing:
-            raise SystemExit(f"rlkit-compare: run {run.name} has no key {missing[0]!r}; "
-                             f"choices and config keys are: {', '.join(sorted(run.keys))}")
+            raise BadArgument(f"--by: run {run.name} has no key {missing[0]!r}; "
+                              f"choices and config keys are: {', '.join(sorted(run.keys))}")
         groups[tuple(str(run.keys[k]) for k in by)].append(run)
     for key, members in groups.items():
         differ = differing_keys(members, by)
@@ -172,7 +176,7 @@ def differences(groups: dict, by: list[str], metrics: list[str], baseline: str, 
     `stats.BOOTSTRAP_FROM` runs per arm the IQM and probability of improvement."""
     names = {", ".join(key): key for key in groups}
     if baseline not in names:
-        raise SystemExit(f"rlkit-compare: --baseline {baseline!r} is not a group; groups: {', '.join(names)}")
+        raise BadArgument(f"--baseline {baseline!r} is not a group; groups: {', '.join(names)}")
     base, margins = groups[names[baseline]], margins or {}
     rows = []  # (label, Difference, Robust or None, metric, group name)
     for name, key in names.items():
@@ -210,7 +214,7 @@ def parse_margins(items: list[str], metrics: list[str]) -> dict:
         try:
             out[metric or metrics[0]] = float(value)
         except ValueError:
-            raise SystemExit(f"rlkit-compare: --margin {item!r}: use METRIC=X or X, with X a number") from None
+            raise BadArgument(f"--margin {item!r}: use METRIC=X or X, with X a number") from None
     return out
 
 
@@ -243,6 +247,15 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
+    WARNINGS.clear()
+    try:
+        return write(p, a)
+    except BadArgument as e:
+        p.error(str(e))
+
+
+def write(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """The table, the differences and the plots of `main`'s arguments, into compare.md."""
     if not a.paths and not a.wandb:
         p.error("give run directories or --wandb ENTITY/PROJECT")
     try:
@@ -271,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         png = out / (m.replace("/", "_") + (f"_by_{a.x}" if a.x != "step" else "") + ".png")
         if plot(groups, a.by, m, png, a.x, a.smooth):
             images.append(f"![{m}]({png.name})")
-    (out / "compare.md").write_text(f"# {len(runs)} runs by {', '.join(a.by)}\n\n{md}\n" + "\n".join(images) + "\n")
+    warnings = "".join(f"- {w}\n" for w in WARNINGS)
+    (out / "compare.md").write_text(f"# {len(runs)} runs by {', '.join(a.by)}\n\n{md}\n"
+                                    + (f"## Warnings\n\n{warnings}\n" if warnings else "") + "\n".join(images) + "\n")
     print(md)
     print(f"wrote {out / 'compare.md'} and {len(images)} plot(s)", file=sys.stderr)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -193,8 +194,27 @@ def build(cfg: DictConfig, key: str, **runtime) -> Any:
         raise ConfigError(f"{key}: {type(cause).__name__}: {cause}") from e
 
 
+SEED_MAX = 2**32 - 1  # numpy's seeds are 32-bit
+
+
+def numbers(node, prefix: str = ""):
+    """(dotted key, value) of every number in a resolved config."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            yield from numbers(v, f"{prefix}{k}.")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield f"{prefix}{k}", v
+
+
 def check_values(cfg: DictConfig) -> None:
-    """The config's own numbers and choices, before any component is built."""
+    """The config's own numbers and choices, before any component is built: every number of every
+    group finite, then each key's range."""
+    for key, value in numbers(resolved(cfg)):
+        require(math.isfinite(value), f"{key} must be a finite number, got {value}")
+    for key in ("seed", "warm_start.seed", "eval.seed"):
+        value = OmegaConf.select(cfg, key)
+        require(0 <= value <= SEED_MAX, f"{key} must be in [0, {SEED_MAX}], got {value}")
     r, op = cfg.rollout, cfg.optim
     require(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
     require(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
@@ -204,6 +224,10 @@ def check_values(cfg: DictConfig) -> None:
     require(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     require(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
     require(op.eps > 0, f"optim.eps must be > 0, got {op.eps}")
+    require(op.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {op.weight_decay}")
+    require(0 <= op.beta1 < 1 and 0 <= op.beta2 < 1, f"optim.beta1 and optim.beta2 must be in [0, 1), got "
+            f"{op.beta1}, {op.beta2}")
+    require(cfg.threads >= 0, f"threads must be >= 0 (0 = torch's default), got {cfg.threads}")
     require(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
     require(op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}")
     require(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")
@@ -225,9 +249,13 @@ def check_run_values(cfg: DictConfig) -> None:
     require(cfg.reward.combine in ("sum", "normalise"),
            f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}")
     require(cfg.reward.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {cfg.reward.timeout_s}")
-    require(cfg.warm_start.steps >= 0, f"warm_start.steps must be >= 0, got {cfg.warm_start.steps}")
+    ws = cfg.warm_start
+    require(ws.steps >= 0, f"warm_start.steps must be >= 0, got {ws.steps}")
+    require(ws.batch_size >= 1 and ws.lr > 0, f"warm_start.batch_size must be >= 1 and warm_start.lr > 0, got "
+            f"{ws.batch_size}, {ws.lr}")
     require(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
     require(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
+    require(cfg.eval.batch_size >= 1, f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
     require(cfg.eval.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {cfg.eval.samples}")
     require(not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
            f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}")

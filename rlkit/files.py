@@ -19,11 +19,22 @@ def describe(e: OSError) -> str:
     return e.strerror or str(e)
 
 
+def storage_failed(e: OSError) -> bool:
+    """Whether `e` is a run file that could not be written: a `StorageError` from `staged`, or an
+    append (metrics, samples) that found the disk full."""
+    return isinstance(e, StorageError) or e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def describe_write(e: OSError) -> str:
+    return e.strerror if isinstance(e, StorageError) else f"could not write {e.filename or 'a run file'}: {describe(e)}"
+
+
 @contextmanager
 def staged(final: Path, what: str):
     """Yields a temporary path next to `final` (a file or a directory) to write into; on success it
     replaces `final`, on any failure it is removed. An OSError, or a writer's error that hides one
-    (torch and safetensors report a full disk as RuntimeError), becomes a StorageError naming `what`."""
+    (torch reports a full disk as RuntimeError, safetensors as its own SafetensorError), becomes a
+    StorageError naming `what`."""
     final = Path(final)
     tmp = final.with_name(f".tmp_{final.name}.{os.getpid()}")
     _remove(tmp)
@@ -33,7 +44,8 @@ def staged(final: Path, what: str):
             _remove(final)
         os.replace(tmp, final)
     except BaseException as e:
-        full = isinstance(e, RuntimeError) and _disk_full(final.parent)  # before the partial file is freed
+        full = isinstance(e, Exception) and not isinstance(e, OSError) and \
+            (says_full(e) or _disk_full(final.parent))  # before the partial file is freed
         _remove(tmp)
         if isinstance(e, OSError) or full:
             why = describe(e) if isinstance(e, OSError) else f"no space left on the device ({e})"
@@ -52,6 +64,17 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def says_full(e: BaseException) -> bool:
+    """Whether an error that is not an OSError reports a full disk in its message (safetensors'
+    "No space left on device (os error 28)", torch's "file write failed"), its cause's included."""
+    while e is not None:
+        text = str(e)
+        if "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _disk_full(folder: Path, margin: int = 1 << 20) -> bool:

@@ -63,7 +63,7 @@ def by_difficulty(rows: list[dict], values: torch.Tensor, name: str, reduce=mean
     d = difficulties(rows)
     if d is None:
         return {}
-    return {f"{name}_d{int(k)}": reduce(values[d == k]) for k in d.unique().tolist()}
+    return {f"{name}_d{k:g}": reduce(values[d == k]) for k in d.unique().tolist()}  # 3.0 -> _d3, 1.5 -> _d1.5
 
 
 def hardest_third(rows: list[dict], values: torch.Tensor, name: str) -> dict:

@@ -29,7 +29,11 @@ class Run:
         return max((s for series in self.history.values() for s, _ in series), default=0)
 
 
+WARNINGS: list[str] = []  # this command's warnings, for its report as well as stderr
+
+
 def warn(message: str) -> None:
+    WARNINGS.append(message)
     print(f"rlkit: warning: {message}", file=sys.stderr)
 
 

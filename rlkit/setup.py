@@ -19,7 +19,7 @@ from rlkit.components import (AdvantageEstimator, Aggregator, Correction, Critic
                               check, require)
 from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import evaluate
-from rlkit.guards import NonFiniteGuard, check_context, check_encodable, check_writable
+from rlkit.guards import NonFiniteGuard, check_context, check_encodable, check_rollout_memory, check_writable
 from rlkit.hardware import hardware
 from rlkit.logging import NullLogger
 from rlkit.state import Parts, Progress, Run, Runtime
@@ -79,10 +79,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_task_and_model(cfg: DictConfig, stop) -> tuple:
+def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int = 1) -> tuple:
     """The task, the model component, the warm-started policy (on the CPU) and its tokenizer; every
-    prompt checked against the tokenizer and the context. Returns (task, model, policy, tokenizer,
-    warm-start info)."""
+    prompt checked against the tokenizer and the context, and the rollout's size against the memory
+    of `device` (each of `world` processes holding its share). Returns (task, model, policy,
+    tokenizer, warm-start info)."""
     task = build(cfg, "task")
     task.check_splits()
     # a warm-started policy starts from warm_start.seed, so every RL seed shares it
@@ -97,6 +98,11 @@ def build_task_and_model(cfg: DictConfig, stop) -> tuple:
     check_context(tokenizer, policy, splits, cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
     if cfg.eval.max_new_tokens:
         check_context(tokenizer, policy, {"eval": task.eval}, cfg.eval.max_new_tokens, "eval.max_new_tokens")
+    R, O = cfg.rollout, cfg.optim
+    rows = -(-R.prompts_per_step * R.group_size // world)
+    prompt = max(len(ids) for ids in tokenizer(list(task.train["prompt"]))["input_ids"])
+    check_rollout_memory(policy, rows, O.micro_batch_size or -(-rows // O.mini_batches), prompt + R.max_new_tokens,
+                         device)
     warm = warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)},
                       stop)
     return task, model, policy, tokenizer, warm
@@ -104,7 +110,7 @@ def build_task_and_model(cfg: DictConfig, stop) -> tuple:
 
 def build_parts(cfg: DictConfig, c: Components, device: torch.device, stop) -> tuple[Parts, dict]:
     """Everything the loop uses, built once; returns the parts and the warm start's info."""
-    task, model, policy, tokenizer, warm = build_task_and_model(cfg, stop)
+    task, model, policy, tokenizer, warm = build_task_and_model(cfg, stop, device, c.parallel.world)
     policy.to(device)
     ref = model.reference(policy) if c.loss.beta > 0 else None
     # wrapped after the reference copy and before the optimizer, which then holds what this process owns
@@ -142,7 +148,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components 
     seed_everything(cfg.seed + rank)  # ranks sample differently; rank 0 as a single process would
     run = Run(cfg, parts, Progress(), Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite)))
     if rank == 0 and not cfg.checkpoint.resume:
-        checkpoint.set_aside(run_dir)
+        checkpoint.set_aside(run_dir, run_info.get("earlier_hydra"))
     if cfg.checkpoint.resume:
         checkpoint.resume(run)
     if rank:  # rank 0 alone writes

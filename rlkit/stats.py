@@ -56,6 +56,8 @@ class Difference:
 
     def describe(self) -> str:
         """The numbers in words: `+0.100 [-0.148, +0.348], d_z = +1.00 [...], p = 0.3 (paired t, n = 3)`."""
+        if math.isnan(self.diff):
+            return f"missing (n = {self.n}: an arm has no run with a value)"
         if self.n < 2:
             return f"{self.diff:+.3f} (n = {self.n}: too few runs for an interval)"
         if self.zero_variance:
@@ -69,7 +71,10 @@ class Difference:
 
 def _mean_var(x: list[float]) -> tuple[float, float]:
     """Mean and sample variance; a variance at the level of float rounding (differences such as
-    0.7 - 0.6 against 0.8 - 0.7) is exactly 0, so it reads as "no spread", not as a huge t."""
+    0.7 - 0.6 against 0.8 - 0.7) is exactly 0, so it reads as "no spread", not as a huge t. Of no
+    values: both missing (nan)."""
+    if not x:
+        return float("nan"), float("nan")
     m = sum(x) / len(x)
     if len(x) < 2:
         return m, float("nan")

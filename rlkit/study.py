@@ -19,9 +19,11 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -76,14 +78,24 @@ class StudyError(ValueError):
     """A study file that cannot run as written."""
 
 
+class Stopped(Exception):
+    """The study stops here; `code` is its exit status."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 def load_spec(path: Path) -> StudySpec:
     """The study file checked against `StudySpec`: unknown or missing keys and impossible values are named."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(StudySpec), OmegaConf.load(path))
+        loaded = OmegaConf.load(path)
+        check_lists(path, loaded)
+        merged = OmegaConf.merge(OmegaConf.structured(StudySpec), loaded)
         merged.secondary = [OmegaConf.merge(OmegaConf.structured(MetricSpec), s) for s in merged.secondary]
         spec = OmegaConf.to_object(merged)
-    except (OmegaConfBaseException, OSError) as e:
-        raise StudyError(f"{path}: {e}".strip()) from None
+    except (OmegaConfBaseException, OSError, yaml.YAMLError) as e:
+        raise StudyError(f"{path} cannot be read as a study file: {e}".strip()) from None
     problems = []
     if spec.baseline not in spec.arms or len(spec.arms) < 2:
         problems.append(f"baseline {spec.baseline!r} must be one of at least two arms (arms: {', '.join(spec.arms)})")
@@ -107,6 +119,15 @@ def load_spec(path: Path) -> StudySpec:
     return spec
 
 
+def check_lists(path: Path, loaded) -> None:
+    """The shared overrides and each arm's are lists (a string would be taken apart into characters)."""
+    if not OmegaConf.is_dict(loaded) or not OmegaConf.is_dict(loaded.get("arms", {})):
+        raise StudyError(f"{path}: a study file is a mapping whose `arms` map each arm's name to its overrides")
+    for where, value in [("config", loaded.get("config", [])), *((f"arms.{a}", o) for a, o in (loaded.get("arms") or {}).items())]:
+        if not (OmegaConf.is_list(value) or isinstance(value, list)):
+            raise StudyError(f"{path}: {where} must be a list of overrides, e.g. [algo=grpo], got {value!r}")
+
+
 # ---- what is recorded: one gzipped JSON-lines file per finished run ---------------------------------------------------
 
 def record_path(results: Path, arm: str, seed: int) -> Path:
@@ -120,10 +141,10 @@ def overrides(spec: StudySpec, arm: str) -> list[str]:
 def record(spec: StudySpec, results: Path, arm: str, seed: int, run_dir: Path, exit_code: int) -> None:
     """The run's metrics, config and hardware, written whole (a kill leaves no half file)."""
     meta = json.loads((run_dir / "run.json").read_text())
-    head = {"arm": arm, "seed": seed, "exit": exit_code, "finished": (run_dir / "summary.json").exists(),
-            "overrides": overrides(spec, arm),
-            "choices": meta["choices"], "config": meta["config"], "hardware": meta.get("hardware")}
     body = (run_dir / "metrics.jsonl").read_text()
+    head = {"arm": arm, "seed": seed, "exit": exit_code, "finished": (run_dir / "summary.json").exists(),
+            "overrides": overrides(spec, arm), "declared": declared(spec), "rows": len(body.splitlines()),
+            "choices": meta["choices"], "config": meta["config"], "hardware": meta.get("hardware")}
     path = record_path(results, arm, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     with files.staged(path, path.name) as tmp:
@@ -131,11 +152,26 @@ def record(spec: StudySpec, results: Path, arm: str, seed: int, run_dir: Path, e
 
 
 def read_records(results: Path) -> list[tuple[dict, list[dict]]]:
-    """Every recorded run: (head, metric rows)."""
-    out = []
-    for path in sorted((results / "runs").glob("*.jsonl.gz")):
-        lines = gzip.decompress(path.read_bytes()).decode().splitlines()
-        out.append((json.loads(lines[0]), [json.loads(line) for line in lines[1:] if line.strip()]))
+    """Every recorded run: (head, metric rows). A damaged record (cut short, re-packed after a cut,
+    not JSON) stops the analysis naming every such file; the intact ones are not touched."""
+    out, damaged = [], []
+    paths = sorted((results / "runs").glob("*.jsonl.gz"))
+    for path in paths:
+        try:
+            lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+            head, rows = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+            if not isinstance(head, dict) or {"arm", "seed", "finished"} - set(head):
+                raise ValueError("its first line is not a record's head")
+            if "rows" in head and head["rows"] != len(rows):
+                raise ValueError(f"it holds {len(rows)} metric rows of the {head['rows']} recorded")
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError, IndexError) as e:
+            damaged.append(f"{path} ({type(e).__name__}: {e})")
+            continue
+        out.append((head, rows))
+    if damaged:
+        raise Stopped(EXIT_BAD_INPUT, f"damaged record(s): {'; '.join(damaged)}. Restore them from version control, "
+                      f"or delete them and rerun `rlkit-study` without --analyse-only to run those arms and seeds "
+                      f"again; the other {len(paths) - len(damaged)} records are intact and kept")
     return out
 
 
@@ -187,14 +223,6 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
-class Stopped(Exception):
-    """The study stops here; `code` is its exit status."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Path, signals: Signals) -> None:
     """Every arm at every seed in `seeds` that is not recorded yet, seed by seed (pairs complete early)."""
     for seed in seeds:
@@ -222,7 +250,8 @@ def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Pat
 def plan(spec: StudySpec, records: list) -> dict:
     """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
     declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
-    values = per_run(runs_by_arm(records)[0], spec.primary)
+    pilot = [(head, rows) for head, rows in records if head["seed"] < spec.seeds.pilot]  # a replan gives the same plan
+    values = per_run(runs_by_arm(pilot)[0], spec.primary)
     treatments = [a for a in spec.arms if a != spec.baseline]
     alpha = spec.alpha / len(treatments)
     out = {"pilot_seeds": spec.seeds.pilot, "cap": spec.seeds.cap, "alpha_for_planning": alpha, "arms": {},
@@ -243,21 +272,54 @@ def plan(spec: StudySpec, records: list) -> dict:
 
 
 def declared(spec: StudySpec) -> dict:
-    """What the plan depends on: a change to any of it after the pilot makes the plan stale."""
-    return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(
-        {"primary": spec.primary, "alpha": spec.alpha, "power": spec.power, "seeds": spec.seeds,
-         "arms": list(spec.arms), "baseline": spec.baseline}))))
+    """The whole declaration as plain data: the plan and every record keep it, and a study file that
+    no longer says the same is refused, for new runs and for the analysis alike."""
+    return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(spec))))
 
 
-def check_recorded(spec: StudySpec, name: str, results: Path) -> None:
-    """Every recorded run was made with the overrides its arm has now; otherwise the study file
-    changed under the results, and mixing them would compare different things."""
-    for head, _ in read_records(results):
+def changes(was: dict, now: dict, prefix: str = "") -> list[str]:
+    """'key: old -> new' for every leaf where two declarations differ."""
+    out = []
+    for k in sorted(set(was) | set(now), key=str):
+        a, b = was.get(k, "(absent)"), now.get(k, "(absent)")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def check_declaration(spec: StudySpec, name: str, results: Path, records: list) -> None:
+    """The study file says what the runs were made under: the overrides of every recorded run's arm,
+    and the declaration kept with the plan and with each record. An edit after the runs would
+    otherwise change the verdict (or the README's protocol) silently."""
+    fix = ("restore the study file (e.g. `git checkout` it); a changed declaration is a new study: copy it to a new "
+           "folder and run that")
+    for head, _ in records:
         if head["arm"] not in spec.arms or head.get("overrides") != overrides(spec, head["arm"]):
             raise Stopped(EXIT_BAD_INPUT, f"{name}: {head['arm']} seed {head['seed']} was recorded with overrides "
                           f"{head.get('overrides')}, but the study file now says "
-                          f"{overrides(spec, head['arm']) if head['arm'] in spec.arms else 'no such arm'}; restore "
-                          "the study file, or move results/ away to start the study again")
+                          f"{overrides(spec, head['arm']) if head['arm'] in spec.arms else 'no such arm'}; {fix}")
+    plan_file, now = results / "plan.json", declared(spec)
+    kept = [(str(plan_file), read_plan(plan_file)["declared"])] if plan_file.exists() else []
+    kept += [(f"the record of {h['arm']} seed {h['seed']}", h["declared"]) for h, _ in records if "declared" in h]
+    for where, was in kept:
+        if was != now:
+            raise Stopped(EXIT_BAD_INPUT, f"{name}: the study file differs from the declaration in {where}, under "
+                          f"which the runs were made: {'; '.join(changes(was, now))}; {fix}")
+
+
+def read_plan(path: Path) -> dict:
+    """The plan fixed from the pilot; a damaged file is named with what to do."""
+    try:
+        plan_ = json.loads(path.read_text())
+        if not isinstance(plan_, dict) or {"seeds", "declared"} - set(plan_):
+            raise ValueError("not a plan")
+        return plan_
+    except (OSError, ValueError) as e:
+        raise Stopped(EXIT_BAD_INPUT, f"{path} is damaged ({type(e).__name__}: {e}): restore it from version "
+                      "control, or delete it and rerun `rlkit-study` without --analyse-only, which fixes the plan "
+                      "again from the pilot's records (the same plan)") from None
 
 
 def check_logged(spec: StudySpec, records: list) -> None:
@@ -295,17 +357,13 @@ def run_all(spec: StudySpec, name: str, runs: Path, results: Path) -> None:
 
 
 def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals) -> None:
-    check_recorded(spec, name, results)
+    check_declaration(spec, name, results, read_records(results))
     run_seeds(spec, name, range(spec.seeds.pilot), runs, results, signals)
     check_logged(spec, read_records(results))
     plan_file = results / "plan.json"
     if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
         files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
-    fixed = json.loads(plan_file.read_text())
-    if fixed.get("declared") != declared(spec):
-        raise Stopped(EXIT_BAD_INPUT, f"{name}: the primary metric, effect, alpha, power or seeds changed since the "
-                      f"plan in {plan_file} was fixed from the pilot; restore the study file, or move results/ away "
-                      "to start the study again")
+    fixed = read_plan(plan_file)
     print(f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap "
           f"{fixed['cap']})", file=sys.stderr)
     run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals)
@@ -329,18 +387,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlkit-study: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     results, runs = path.parent / "results", a.runs or Path("outputs", "studies", name)
-    if not a.analyse_only:
-        try:
+    try:
+        if not a.analyse_only:
             run_all(spec, name, runs, results)
-        except Stopped as e:
-            print(f"rlkit-study: {'error: ' if e.code != EXIT_PREEMPTED else ''}{e}", file=sys.stderr)
-            return e.code
-    records, plan_file = read_records(results), results / "plan.json"
+        records, plan_file = read_records(results), results / "plan.json"
+        check_declaration(spec, name, results, records)
+        fixed = read_plan(plan_file) if plan_file.exists() else None
+    except Stopped as e:
+        print(f"rlkit-study: {'error: ' if e.code != EXIT_PREEMPTED else ''}{e}", file=sys.stderr)
+        return e.code
     if not records:
         print(f"rlkit-study: error: {name}: no recorded runs in {results / 'runs'}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(write_report(spec, name, path, results, records, json.loads(plan_file.read_text()) if plan_file.exists()
-                       else None))
+    print(write_report(spec, name, path, results, records, fixed))
     return 0
 
 

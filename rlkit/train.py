@@ -49,7 +49,10 @@ class ComposeCheck(Callback):
             print(f"rlkit: error: {e}", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
         hydra_dir = run_dir / str(OmegaConf.select(config, "hydra.output_subdir") or ".hydra")
-        ComposeCheck.saved = {p: p.read_bytes() for p in hydra_dir.glob("*.yaml")} if hydra_dir.is_dir() else {}
+        launched = parallel.launch_time()  # the ranks of one launch write the same files: theirs are not earlier
+        since = launched.timestamp() if launched else float("inf")
+        ComposeCheck.saved = {p: p.read_bytes() for p in hydra_dir.glob("*.yaml") if p.stat().st_mtime < since} \
+            if hydra_dir.is_dir() else {}
 
     def on_multirun_start(self, config, **kwargs) -> None:
         ComposeCheck.composed = True
@@ -58,8 +61,11 @@ class ComposeCheck(Callback):
 def discard_refused(run_dir: str) -> None:
     """After a refused run: put back the `.hydra/` files an earlier run had in `run_dir`; or, when
     the directory holds nothing but Hydra's own files of this run, remove it and the folders above
-    it that this run created, up to the working directory."""
+    it that this run created, up to the working directory. With several processes, rank 0 alone
+    does it (the others wrote the same files)."""
     existed = ComposeCheck.existed
+    if int(os.environ.get("RANK", "0")):
+        return
     if ComposeCheck.saved:
         for p, data in ComposeCheck.saved.items():
             p.write_bytes(data)
@@ -73,6 +79,12 @@ def discard_refused(run_dir: str) -> None:
         if parent == cwd or parent in existed or any(parent.iterdir()):
             break
         parent.rmdir()
+
+
+def earlier_hydra_files() -> dict:
+    """The `.hydra/` files an earlier run left in the run directory (relative name -> bytes), which Hydra has
+    now overwritten with this run's: `checkpoint.resume=false` moves them aside with that run."""
+    return {f"{p.parent.name}/{p.name}": data for p, data in ComposeCheck.saved.items()}
 
 
 def hydra_run_info() -> dict:
@@ -101,7 +113,7 @@ def config_path() -> str:
 def app(cfg: DictConfig) -> dict | None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
-        return run(cfg, run_dir, hydra_run_info())
+        return run(cfg, run_dir, {**hydra_run_info(), "earlier_hydra": earlier_hydra_files()})
     except (ConfigError, TaskError) as e:
         print(f"rlkit: error: {e}", file=sys.stderr)
         discard_refused(run_dir)
@@ -112,9 +124,11 @@ def app(cfg: DictConfig) -> dict | None:
     except (Preempted, StoppedAtOnce) as e:
         print(f"rlkit: {e}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
-    except files.StorageError as e:
-        print(f"rlkit: error: {e}; earlier checkpoints are intact: free space and rerun the same command to "
-              "resume", file=sys.stderr)
+    except OSError as e:
+        if not files.storage_failed(e):
+            raise
+        print(f"rlkit: error: {files.describe_write(e)}; earlier checkpoints are intact: free space and rerun the same "
+              "command to resume", file=sys.stderr)
         sys.exit(EXIT_STORAGE)
     except Exception as e:
         if not parallel.peer_failed(e):

@@ -90,9 +90,9 @@ def test_the_analysis_pairs_by_seed_names_what_it_leaves_out_and_corrects_second
 
 
 def test_the_plan_comes_from_the_pilot_spread_at_the_declared_effect(tmp_path):
-    spec = write_spec(tmp_path)
+    spec = write_spec(tmp_path, seeds={"pilot": 3, "cap": 8})
     pilot = records([0.3, 0.4, 0.5], [0.33, 0.47, 0.52])  # differences 0.03, 0.07, 0.02: sd 0.026458
-    p = plan(spec, pilot)
+    p = plan(spec, pilot + [rec("b", 3, 0.9), rec("t", 3, 0.1)])  # seeds past the pilot do not count
     sd = stats.inflated_sd(0.026458, 3, 0.8)
     assert p["arms"]["t"]["pilot_sd"] == pytest.approx(0.026458, abs=1e-5)
     assert p["needed"] == stats.seeds_for_power(0.05, sd, True) and p["seeds"] == min(8, p["needed"])
@@ -121,7 +121,7 @@ seeds: {{pilot: 2, cap: 2}}
 """
 
 
-def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_path, warm_cache):
+def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_path, warm_cache, capsys):
     folder = tmp_path / "experiments" / "tiny"
     folder.mkdir(parents=True)
     (folder / "study.yaml").write_text(TINY.format(config=json.dumps([*FAST, f"warm_start.cache_dir={warm_cache}"])))
@@ -165,15 +165,59 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     assert (folder / "results" / "train_reward.png").exists()
     again = subprocess.run([*cmd, "--analyse-only"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and (folder / "README.md").read_text() == readme  # recomputed by one command
-    # a study file changed under its results is refused, naming what changed; nothing is lost
+    # a study file changed under its results is refused, naming what changed, by a rerun and by the
+    # analysis alike; nothing is lost
     declared = (folder / "study.yaml").read_text()
     (folder / "study.yaml").write_text(declared.replace("smallest_effect: 0.01", "smallest_effect: 0.02"))
     changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert changed.returncode == 2 and "changed since the plan" in changed.stderr
+    assert changed.returncode == 2 and "primary.smallest_effect: 0.01 -> 0.02" in changed.stderr
+    assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2
+    assert "differs from the declaration in" in capsys.readouterr().err
     (folder / "study.yaml").write_text(declared.replace("[algo=dr_grpo]", "[algo=dr_grpo, loss.beta=0.1]"))
     changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert changed.returncode == 2 and "dr_grpo seed 0 was recorded with overrides" in changed.stderr
+    assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2
+    (folder / "study.yaml").write_text(declared.replace("smallest_effect: 0.01}", "smallest_effect: 0.01, lower: true}"))
+    assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2  # a key the old plans did not keep
+    assert "primary.lower: False -> True" in capsys.readouterr().err
     assert len(read_records(folder / "results")) == 4 and (folder / "README.md").read_text() == readme
+    (folder / "study.yaml").write_text(declared)
+    damaged_study_files_are_named(folder, readme, capsys)
+
+
+def damaged_study_files_are_named(folder, readme, capsys):
+    """Cut, re-packed and unparsable study files: exit 2 naming the file and what to do; the
+    intact records are untouched and analyse again once the damage is undone."""
+    results, study = folder / "results", str(folder / "study.yaml")
+    record = results / "runs" / "grpo_seed1.jsonl.gz"
+    intact, plan_text, declared = record.read_bytes(), (results / "plan.json").read_text(), Path(study).read_text()
+    rows = gzip.decompress(intact).decode()
+    for damaged in (intact[:len(intact) // 2],                                       # cut in half
+                    gzip.compress(rows[:len(rows) // 2].encode()),                   # cut, then re-packed
+                    gzip.compress(rows.rsplit("\n", 2)[0].encode() + b"\n")):        # whole lines dropped
+        record.write_bytes(damaged)
+        for argv in ([study, "--analyse-only"], [study]):
+            assert study_main(argv) == 2
+            err = capsys.readouterr().err
+            assert "damaged record(s): " in err and str(record) in err and "the other 3 records are intact" in err
+    record.write_bytes(intact)
+    (results / "plan.json").write_text(plan_text[:100])
+    assert study_main([study, "--analyse-only"]) == 2
+    assert f"{results / 'plan.json'} is damaged" in capsys.readouterr().err
+    (results / "plan.json").write_text(plan_text)
+    Path(study).write_text(declared.replace("arms:", "arms: {"))
+    assert study_main([study, "--analyse-only"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read as a study file" in err and "Traceback" not in err
+    Path(study).write_text(declared)
+    assert study_main([study, "--analyse-only"]) == 0 and (folder / "README.md").read_text() == readme
+
+
+def test_an_arm_written_as_a_string_is_refused_not_split_into_characters(tmp_path):
+    with pytest.raises(StudyError, match=r"arms.t must be a list of overrides, e.g. \[algo=grpo\], got 'algo=dr_grpo'"):
+        write_spec(tmp_path, arms={"b": ["algo=grpo"], "t": "algo=dr_grpo"})
+    with pytest.raises(StudyError, match=r"config must be a list of overrides"):
+        write_spec(tmp_path, config="steps=3")
 
 
 def test_the_study_testbed_probe_table_is_the_one_its_readme_shows():

@@ -28,6 +28,26 @@ def read_json_text(path: str) -> Dataset:
     return Dataset.from_list(rows)
 
 
+def read_csv_text(path: str) -> Dataset:
+    """A CSV file with a header row, every value the file's text (`NA` and empty fields included);
+    a byte-order mark is dropped, blank lines are skipped, and a row whose field count differs from
+    the header's is named by its line."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        if not any(h.strip() for h in header):
+            raise ValueError("the file is empty: a CSV file needs a header row naming its columns (prompt,answer)")
+        rows = []
+        for row in reader:
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise ValueError(f"line {reader.line_num} has {len(row)} fields, the header {len(header)}")
+            rows.append(row)
+    return Dataset.from_dict({h: [r[i] for r in rows] for i, h in enumerate(header)},
+                             features=Features({h: Value("string") for h in header}))
+
+
 def load_table(key: str, source: str, fmt: str, columns: tuple, split: str = "train",
                config: str | None = None, as_text: bool = False) -> Dataset:
     """A local file through the `datasets` builder `fmt` (json, csv, parquet), else a hub data set
@@ -37,10 +57,7 @@ def load_table(key: str, source: str, fmt: str, columns: tuple, split: str = "tr
         if os.path.exists(source) and as_text and fmt == "json":
             data = read_json_text(source)
         elif os.path.exists(source) and as_text and fmt == "csv":
-            with open(source, newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), [])
-            data = load_dataset(fmt, data_files=source, split="train", keep_default_na=False,
-                                features=Features({c: Value("string") for c in header}))
+            data = read_csv_text(source)
         elif os.path.exists(source):
             data = load_dataset(fmt, data_files=source, split="train")
         else:

@@ -1,9 +1,22 @@
 """A task read from data files with `datasets.load_dataset` (JSON lines, CSV, Parquet, ...)."""
 from __future__ import annotations
 
+import math
+
 from datasets import Value
 
-from rlkit.tasks.base import Task, load_table
+from rlkit.tasks.base import Task, TaskError, load_table
+
+
+def check_numbers(values: list, split: str) -> None:
+    """Every `difficulty` of a split is a finite number (or the text of one); else the row is named."""
+    for i, v in enumerate(values):
+        try:
+            ok = not isinstance(v, bool) and math.isfinite(float(v))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise TaskError(f"task.{split} row {i} has difficulty {v!r}; the difficulty column must hold numbers")
 
 
 class FileTask(Task):
@@ -23,6 +36,9 @@ class FileTask(Task):
             for col in ("prompt", "answer"):  # numbers in a CSV or JSON file are text to the policy
                 if split.features[col] != Value("string"):
                     split = split.cast_column(col, Value("string"))
+            if extra:
+                check_numbers(split["difficulty"], name)
+                split = split.cast_column("difficulty", Value("float64"))
             setattr(self, name, split)
 
     def reward(self, row: dict, completion: str) -> float:
