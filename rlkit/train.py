@@ -62,7 +62,7 @@ def discard_refused(run_dir: str) -> None:
     """After a refused run: put back the `.hydra/` files an earlier run had in `run_dir`; or, when
     the directory holds nothing but Hydra's own files of this run, remove it and the folders above
     it that this run created, up to the working directory. With several processes, rank 0 alone
-    does it (the others wrote the same files)."""
+    does it (the others wrote the same files, and may have made the directory first)."""
     existed = ComposeCheck.existed
     if int(os.environ.get("RANK", "0")):
         return
@@ -72,13 +72,19 @@ def discard_refused(run_dir: str) -> None:
         return
     path, cwd = Path(run_dir).resolve(), Path.cwd().resolve()
     if path == cwd or cwd not in path.parents or not path.is_dir() or \
-            not {p.name for p in path.iterdir()} <= HYDRA_FILES or path in existed:
+            not {p.name for p in path.iterdir()} <= HYDRA_FILES or (path in existed and not launch_made(path)):
         return
     shutil.rmtree(path, ignore_errors=True)
     for parent in path.parents:
         if parent == cwd or parent in existed or any(parent.iterdir()):
             break
         parent.rmdir()
+
+
+def launch_made(path: Path) -> bool:
+    """Whether every file under `path` was written since this launch of several processes started."""
+    launched = parallel.launch_time()
+    return launched is not None and all(f.stat().st_mtime >= launched.timestamp() for f in path.rglob("*"))
 
 
 def earlier_hydra_files() -> dict:

@@ -187,3 +187,29 @@ def test_what_compare_cannot_use_is_said_never_silently_dropped(tmp_path, capsys
         compare_main([str(tmp_path), "--metric", "train/nothing"])
     assert "--metric train/nothing: no run logged it" in capsys.readouterr().err
     assert not (tmp_path / "compare" / "train_nothing.png").exists()
+
+
+def test_compare_reports_a_metric_one_arm_never_logged_as_missing_and_bad_arguments_exit_2(tmp_path, capsys):
+    for engine in ("kv_cache", "off_policy"):
+        for seed in range(2):
+            d = tmp_path / f"{engine}{seed}"
+            d.mkdir()
+            (d / "run.json").write_text(json.dumps({"choices": {"engine": engine}, "config": {"seed": seed}}))
+            extra = {"offpolicy/abs_log_ratio": 0.1 + seed} if engine == "off_policy" else {}
+            rows = [{"step": s, "eval/accuracy": 0.1 * s, **extra} for s in range(3)]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (d / "summary.json").write_text("{}")
+    (tmp_path / "kv_cache1" / "summary.json").unlink()  # unfinished: a warning, which compare.md keeps too
+    args = [str(tmp_path), "--by", "engine", "--metric", "offpolicy/abs_log_ratio", "--baseline", "kv_cache",
+            "--include-unfinished"]
+    assert compare_main(args) == 0
+    out = capsys.readouterr()
+    assert "offpolicy/abs_log_ratio: off_policy - kv_cache: missing (n = 0" in out.out
+    md = (tmp_path / "compare" / "compare.md").read_text()
+    assert "## Warnings" in md and "run kv_cache1 stopped at step 2" in md and "missing (n = 0" in md
+    for bad in (["--baseline", "nope"], ["--by", "no_such_key"]):
+        with pytest.raises(SystemExit) as e:
+            compare_main([str(tmp_path), "--by", "engine", *bad])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--baseline 'nope' is not a group; groups: kv_cache, off_policy" in err and "has no key 'no_such_key'" in err
