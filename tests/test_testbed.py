@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from rlkit.models import TinyQwen2, char_tokenizer
-from rlkit.tasks.arithmetic import ALPHABET, Arithmetic
+from rlkit.tasks.arithmetic import ALPHABET, Arithmetic, Questions
 from rlkit.tasks.base import TaskError
 
 
@@ -20,6 +20,20 @@ def test_tokenizer_round_trip(tmp_path):
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again(text)["input_ids"] == ids and again.decode(ids + [again.eos_token_id], skip_special_tokens=True) == text
     assert tok.decode(tok("9x")["input_ids"], skip_special_tokens=True) == "9"  # unknown char -> <unk>
+
+
+def test_questions_ask_the_testbeds_sums_and_score_the_last_integer():
+    base, q = Arithmetic(n_train=16, n_eval=4, max_terms=3), Questions(n_train=16, n_eval=4, max_terms=3)
+    assert [r["answer"] for r in q.eval] == [r["answer"] for r in base.eval]  # the same sums, the same split
+    first = base.eval[0]["prompt"]  # e.g. "3+4+5="
+    assert q.eval[0]["prompt"] == "What is " + first.rstrip("=").replace("+", " + ") + "?"
+    row = {"prompt": "What is 7 + 7?", "answer": "14"}
+    assert q.reward(row, "The answer is 14.") == 1.0 and q.reward(row, "7 + 7 = 14") == 1.0
+    assert q.reward(row, "7 + 7 = 12, which is the sum of 7 itself.") == 0.0  # the last integer counts
+    assert q.reward(row, "fourteen") == 0.0 and q.reward({"answer": "1400"}, "It is 1,400.") == 1.0
+    assert not hasattr(q, "demonstration")  # no warm start for a pretrained model
+    with pytest.raises(ValueError, match="must contain"):
+        Questions(question="What is it?")
 
 
 def test_reward_correct_wrong_malformed():

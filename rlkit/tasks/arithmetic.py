@@ -98,3 +98,23 @@ class Arithmetic(Task):
             out.append((pos, float(bool(m) and int(m[1]) + int(m[2]) == int(m[3]))))
         out.append((len(completion), self.reward(row, completion)))
         return out
+
+
+class Questions(Task):
+    """The testbed's sums asked as a question, for a pretrained chat model: ``"What is 3 + 14 + 5?"``
+    (`question` with `{expr}`); reward 1 when the last integer in the completion is the sum, so a
+    free-form answer ("The answer is 22.") counts. The sums, splits and `difficulty` are
+    `Arithmetic`'s (same arguments); there are no demonstrations, so no warm start."""
+
+    def __init__(self, question: str = "What is {expr}?", **sums):
+        if "{expr}" not in question:
+            raise ValueError(f"task.question must contain {{expr}}, got {question!r}")
+        base = Arithmetic(**sums)
+
+        def ask(row: dict) -> dict:
+            return {"prompt": question.format(expr=row["prompt"].rstrip("=").replace("+", " + "))}
+        self.train, self.eval = base.train.map(ask), base.eval.map(ask)
+
+    def reward(self, row: dict, completion: str) -> float:
+        numbers = re.findall(r"-?\d+", completion.replace(",", ""))
+        return float(bool(numbers) and numbers[-1] == row["answer"])
