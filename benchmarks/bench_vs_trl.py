@@ -13,7 +13,7 @@ dropped. Modes: `natural` (each side stops a row at EOS) and `fixed` (EOS suppre
 sides: every row is T tokens).
 
     pip install -e ".[bench]"
-    python benchmarks/bench_vs_trl.py [--sizes 1m 10m] [--modes natural fixed] [--rounds 10] [--warmup 2]
+    python benchmarks/bench_vs_trl.py [--sizes 1m 10m smollm2] [--modes natural fixed] [--rounds 10] [--warmup 2]
 
 Prints, per size and mode: median step time, the phase split, peak memory of each side and the
 ratio rlkit/TRL (below 1: rlkit is faster). Peak memory on CPU is the process's peak resident set
@@ -51,11 +51,12 @@ from rlkit.setup import setup
 from rlkit.loop import collect, learn
 
 MODELS: list = []  # every side's models, whose parameters `peak_memory` does not count as activations
-SIZES = {  # the testbed's Qwen2 at two sizes
+SIZES = {  # the testbed's Qwen2 at two sizes, and a real pretrained model (chat-templated prompts)
     "1m": ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
            "model.intermediate_size=384"],
     "10m": ["model.hidden_size=256", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=4",
             "model.intermediate_size=1408"],
+    "smollm2": ["model=smollm2"],  # SmolLM2-135M-Instruct, Llama architecture
 }
 
 

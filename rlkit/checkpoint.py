@@ -123,9 +123,10 @@ def load_state(path: Path) -> dict:
         with torch.serialization.safe_globals(NUMPY_ARRAYS):
             return torch.load(path / STATE, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"(?i)unsupported global:?\s+(?:GLOBAL\s+)?(\S+)", str(e))  # not torch's advice to load it unsafely
+        found = re.search(r"(?i)unsupported global:?\s+(?:GLOBAL\s+)?(\S+)", str(e))  # not torch's advice
+        what = f"it names {found.group(1)}" if found else "an object rlkit does not allow"
         raise UnsafeCheckpoint(f"{path / STATE} holds objects other than tensors and plain data, which rlkit "
-                               f"never writes ({f'it names {found.group(1)}' if found else 'an object rlkit does not allow'}); "
+                               f"never writes ({what}); "
                                "refusing to load it, since loading it could run code. Do not load it by other means "
                                "unless you wrote it yourself") from None
 

@@ -11,8 +11,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from rlkit import stats
-from rlkit.runs import (WARNINGS, Run, aggregate, aggregate_name, differing_keys, finished_only, load_runs,  # noqa: F401
-                        load_wandb_runs, parse_aggregate, warn, x_of)
+from rlkit.runs import (WARNINGS, Run, aggregate, aggregate_name, differing_keys, finished_only,  # noqa: F401
+                        load_runs, load_wandb_runs, parse_aggregate, warn, x_of)
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond
 T95 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,

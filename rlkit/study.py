@@ -123,7 +123,8 @@ def check_lists(path: Path, loaded) -> None:
     """The shared overrides and each arm's are lists (a string would be taken apart into characters)."""
     if not OmegaConf.is_dict(loaded) or not OmegaConf.is_dict(loaded.get("arms", {})):
         raise StudyError(f"{path}: a study file is a mapping whose `arms` map each arm's name to its overrides")
-    for where, value in [("config", loaded.get("config", [])), *((f"arms.{a}", o) for a, o in (loaded.get("arms") or {}).items())]:
+    arms = [(f"arms.{a}", o) for a, o in (loaded.get("arms") or {}).items()]
+    for where, value in [("config", loaded.get("config", [])), *arms]:
         if not (OmegaConf.is_list(value) or isinstance(value, list)):
             raise StudyError(f"{path}: {where} must be a list of overrides, e.g. [algo=grpo], got {value!r}")
 

@@ -49,9 +49,8 @@ class ComposeCheck(Callback):
             print(f"rlkit: error: {e}", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
         hydra_dir = run_dir / str(OmegaConf.select(config, "hydra.output_subdir") or ".hydra")
-        launched = parallel.launch_time()  # the ranks of one launch write the same files: theirs are not earlier
-        since = launched.timestamp() if launched else float("inf")
-        ComposeCheck.saved = {p: p.read_bytes() for p in hydra_dir.glob("*.yaml") if p.stat().st_mtime < since} \
+        # the ranks of one launch write the same files: another rank's are not an earlier run's
+        ComposeCheck.saved = {p: p.read_bytes() for p in hydra_dir.glob("*.yaml") if not since_launch(p)} \
             if hydra_dir.is_dir() else {}
 
     def on_multirun_start(self, config, **kwargs) -> None:
@@ -71,8 +70,9 @@ def discard_refused(run_dir: str) -> None:
             p.write_bytes(data)
         return
     path, cwd = Path(run_dir).resolve(), Path.cwd().resolve()
+    ours = path not in existed or all(since_launch(f) for f in path.rglob("*"))
     if path == cwd or cwd not in path.parents or not path.is_dir() or \
-            not {p.name for p in path.iterdir()} <= HYDRA_FILES or (path in existed and not launch_made(path)):
+            not {p.name for p in path.iterdir()} <= HYDRA_FILES or not ours:
         return
     shutil.rmtree(path, ignore_errors=True)
     for parent in path.parents:
@@ -81,10 +81,10 @@ def discard_refused(run_dir: str) -> None:
         parent.rmdir()
 
 
-def launch_made(path: Path) -> bool:
-    """Whether every file under `path` was written since this launch of several processes started."""
+def since_launch(path: Path) -> bool:
+    """Whether `path` was written since this launch of several processes started (never with one process)."""
     launched = parallel.launch_time()
-    return launched is not None and all(f.stat().st_mtime >= launched.timestamp() for f in path.rglob("*"))
+    return launched is not None and path.stat().st_mtime >= launched.timestamp()
 
 
 def earlier_hydra_files() -> dict:

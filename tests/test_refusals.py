@@ -100,8 +100,8 @@ def test_bad_numbers_are_refused_before_anything_is_built(tmp_path, override, me
 
 def test_a_rollout_too_large_for_memory_is_refused_with_its_size_before_allocating(tmp_path):
     cfg = make_cfg(["rollout.group_size=100000000", "rollout.prompts_per_step=1", "warm_start.steps=0"])
-    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step x rollout.group_size = 100000000 completions of up "
-                                          r"to \d+ tokens need at least [\d.]+ GiB .* GiB are free on cpu"):
+    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step x rollout.group_size = 100000000 completions "
+                                          r"of up to \d+ tokens need at least [\d.]+ GiB .* GiB are free on cpu"):
         run(cfg, str(tmp_path / "run"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

@@ -82,7 +82,8 @@ def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lo
     extra = ["model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "optim.lr=1e-3"] if lora else ["optim.lr=1e-5"]
     cfg = make_cfg(["model=smollm2", "steps=1", "threads=2", "logger=jsonl", "rollout.prompts_per_step=2",
                     "rollout.group_size=2", "rollout.max_new_tokens=8", "task.n_train=8", "task.n_eval=2",
-                    "task.max_terms=2", "eval.every=0", "loss.beta=0.04", "warm_start.steps=0", "loss.entropy_coef=0.01", "checkpoint.every=1", *extra])
+                    "task.max_terms=2", "eval.every=0", "loss.beta=0.04", "warm_start.steps=0",
+                    "loss.entropy_coef=0.01", "checkpoint.every=1", *extra])
     before = {k: v.clone() for k, v in build(cfg, "model").build("", 0)[0].state_dict().items()}
     run(cfg, str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001" / "policy"
@@ -95,6 +96,18 @@ def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lo
     else:
         after = load_file(ckpt / "model.safetensors")
         moved = {k for k, v in after.items() if not torch.equal(v, before[k])}
-        assert set(after) <= set(before) and {k for k in moved if ".layers." in k} == {k for k in before if ".layers." in k}
+        layers = {k for k in before if ".layers." in k}
+        assert set(after) <= set(before) and moved & layers == layers  # every decoder weight moved, none added
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and "train/kl" in rows[-1]
+
+
+def test_the_experiment_table_is_the_one_its_readme_shows():
+    """experiments/smollm2_sums/README.md's table comes from the kept metrics alone, by one command."""
+    import importlib.util
+    from pathlib import Path
+    folder = Path(__file__).resolve().parents[1] / "experiments" / "smollm2_sums"
+    spec = importlib.util.spec_from_file_location("smollm2_table", folder / "table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.table() in (folder / "README.md").read_text()

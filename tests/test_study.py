@@ -177,7 +177,8 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert changed.returncode == 2 and "dr_grpo seed 0 was recorded with overrides" in changed.stderr
     assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2
-    (folder / "study.yaml").write_text(declared.replace("smallest_effect: 0.01}", "smallest_effect: 0.01, lower: true}"))
+    (folder / "study.yaml").write_text(declared.replace("smallest_effect: 0.01}",
+                                                        "smallest_effect: 0.01, lower: true}"))
     assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2  # a key the old plans did not keep
     assert "primary.lower: False -> True" in capsys.readouterr().err
     assert len(read_records(folder / "results")) == 4 and (folder / "README.md").read_text() == readme
