@@ -15,6 +15,7 @@ from rlkit.engines.kv_cache import generate
 from rlkit.guards import check_encodable
 from rlkit.logprobs import token_logprobs
 from rlkit.train import run
+from test_reliability import metrics  # without the timing keys
 
 QUESTIONS = ["What is 7 + 7?", "Name a colour.", "What is the capital of France? Answer in one word, please."]
 
@@ -76,14 +77,42 @@ def test_training_logprobs_equal_a_plain_unbatched_forward(smol, prompts):
                 torch.testing.assert_close(mine[i, :len(c)], plain, atol=2e-4, rtol=0)
 
 
+LORA = ["model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "optim.lr=1e-3"]
+
+
+def small(*extra):
+    """A few real-model GRPO steps: 2 prompts x 2 completions of 8 tokens; the entropy bonus gives
+    every step a gradient (a chat model's sums may all score 0 in a group)."""
+    return make_cfg(["model=smollm2", "steps=1", "threads=2", "logger=jsonl", "rollout.prompts_per_step=2",
+                     "rollout.group_size=2", "rollout.max_new_tokens=8", "task.n_train=8", "task.n_eval=2",
+                     "task.max_terms=2", "eval.every=0", "loss.beta=0.04", "warm_start.steps=0",
+                     "loss.entropy_coef=0.01", "checkpoint.every=1", *extra])
+
+
+def test_lora_logprobs_with_non_zero_adapters_equal_a_plain_forward(smol, prompts):
+    import copy
+    from peft import LoraConfig, get_peft_model
+    _, policy, tokenizer = smol
+    torch.manual_seed(0)
+    lora = get_peft_model(copy.deepcopy(policy), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                            init_lora_weights=False))  # B random: adapters act
+    out = generate(lora, tokenizer, prompts, max_new_tokens=6, temperature=1.0)
+    args = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    with torch.no_grad():
+        packed, _ = token_logprobs(lora, *args)  # [N, Tc]
+        base, _ = token_logprobs(policy, *args)
+        for i in range(len(prompts)):
+            p = out.prompt_ids[i][out.prompt_mask[i].bool()]
+            c = out.completion_ids[i][out.completion_mask[i].bool()]
+            logits = lora(input_ids=torch.cat([p, c])[None]).logits[0, len(p) - 1:-1].float()  # [tc, V]
+            torch.testing.assert_close(packed[i, :len(c)], logits.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1),
+                                       atol=2e-4, rtol=0)
+    assert (packed - base).abs().max() > 1e-3  # the adapters change the numbers
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lora):
-    """The entropy bonus gives every step a gradient (a chat model's sums may all score 0 in a group)."""
-    extra = ["model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "optim.lr=1e-3"] if lora else ["optim.lr=1e-5"]
-    cfg = make_cfg(["model=smollm2", "steps=1", "threads=2", "logger=jsonl", "rollout.prompts_per_step=2",
-                    "rollout.group_size=2", "rollout.max_new_tokens=8", "task.n_train=8", "task.n_eval=2",
-                    "task.max_terms=2", "eval.every=0", "loss.beta=0.04", "warm_start.steps=0",
-                    "loss.entropy_coef=0.01", "checkpoint.every=1", *extra])
+    cfg = small(*(LORA if lora else ["optim.lr=1e-5"]))
     before = {k: v.clone() for k, v in build(cfg, "model").build("", 0)[0].state_dict().items()}
     run(cfg, str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001" / "policy"
@@ -100,6 +129,15 @@ def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lo
         assert set(after) <= set(before) and moved & layers == layers  # every decoder weight moved, none added
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and "train/kl" in rows[-1]
+
+
+def test_a_lora_run_stopped_after_a_step_resumes_to_the_uninterrupted_metrics(tmp_path):
+    run(small(*LORA, "steps=2"), str(tmp_path / "straight"))
+    run(small(*LORA, "steps=1"), str(tmp_path / "resumed"))
+    run(small(*LORA, "steps=2"), str(tmp_path / "resumed"))  # resumes from the step-1 checkpoint
+    def without_step1_eval(rows):  # the 1-step session evaluated after its last step; the straight run did not
+        return [{k: v for k, v in r.items() if not (r["step"] == 1 and k.startswith("eval/"))} for r in rows]
+    assert without_step1_eval(metrics(tmp_path / "resumed")) == metrics(tmp_path / "straight")
 
 
 def test_the_experiment_table_is_the_one_its_readme_shows():
