@@ -7,7 +7,6 @@ and is read with `weights_only=True`; anything else in it is refused with the fi
 an earlier run's files away when a run starts over in the same directory."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -24,7 +23,7 @@ import torch
 from rlkit import parallel
 from rlkit.components import ConfigError
 from rlkit.config import resolved
-from rlkit.files import staged
+from rlkit.files import sha256, staged
 from rlkit.guards import NonFiniteError, all_finite, check_resume
 from rlkit.state import Progress, Run
 
@@ -55,14 +54,6 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(n)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
@@ -88,7 +79,7 @@ def save(run_dir: str | Path, step: int, models: dict, tokenizer, state: dict, k
 
 def write_manifest(folder: Path) -> None:
     """`manifest.json` with the SHA-256 of every other file under `folder`, checked by `damage`."""
-    manifest = {str(p.relative_to(folder)): _sha256(p) for p in _files(folder)}
+    manifest = {str(p.relative_to(folder)): sha256(p) for p in _files(folder)}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
@@ -102,7 +93,7 @@ def damage(path: Path) -> str | None:
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        if _sha256(file) != digest:
+        if sha256(file) != digest:
             return f"{name} does not match its checksum"
     return None
 

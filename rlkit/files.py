@@ -3,6 +3,7 @@ under a temporary name beside its final one and renamed over it (a rename is ato
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 from contextlib import contextmanager
@@ -52,6 +53,15 @@ def staged(final: Path, what: str):
             raise StorageError(e.errno if isinstance(e, OSError) else errno.ENOSPC,
                                f"could not write {what} to {final}: {why}") from e
         raise
+
+
+def sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_text(path: Path, text: str) -> None:

