@@ -13,8 +13,10 @@ from conftest import make_cfg
 from rlkit.config import build
 from rlkit.engines.kv_cache import generate
 from rlkit.guards import check_encodable
-from rlkit.logprobs import token_logprobs
+from rlkit.logprobs import rollout_logprobs, token_logprobs
+from rlkit.loop import batched, micro_batches
 from rlkit.train import run
+from rlkit.types import Rollout
 from test_reliability import metrics  # without the timing keys
 
 QUESTIONS = ["What is 7 + 7?", "Name a colour.", "What is the capital of France? Answer in one word, please."]
@@ -68,24 +70,30 @@ def test_training_logprobs_equal_a_plain_unbatched_forward(smol, prompts):
         packed, _ = token_logprobs(policy, *args)                 # [N, Tc]
         shared, _ = token_logprobs(policy, *args, share="always")
         split = torch.cat([token_logprobs(policy, *(a[i:i + 1] for a in args))[0] for i in range(len(prompts))])
+        rollout = Rollout.from_generation(out, 1)  # the update's path: micro-batches of <= 2 rows, by length
+        micro = batched(lambda r: rollout_logprobs(policy, r)[0], rollout, micro_batches(rollout, torch.arange(3), 2, 0))
+        assert len(micro_batches(rollout, torch.arange(3), 2, 0)) == 2
         for i in range(len(prompts)):
             p = out.prompt_ids[i][out.prompt_mask[i].bool()]
             c = out.completion_ids[i][out.completion_mask[i].bool()]
             logits = policy(torch.cat([p, c])[None]).logits[0, len(p) - 1:-1].float()  # [tc, V]
             plain = logits.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1)
-            for mine in (packed, shared, split):
+            for mine in (packed, shared, split, micro):
                 torch.testing.assert_close(mine[i, :len(c)], plain, atol=2e-4, rtol=0)
 
 
 LORA = ["model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "optim.lr=1e-3"]
 
 
-def small(*extra):
-    """A few real-model GRPO steps: 2 prompts x 2 completions of 8 tokens; the entropy bonus gives
-    every step a gradient (a chat model's sums may all score 0 in a group)."""
+SUMS = ("task.n_train=8", "task.n_eval=2", "task.max_terms=2")
+
+
+def small(*extra, task=SUMS):
+    """A few real-model GRPO steps: 2 prompts x 2 completions of 8 tokens (on the testbed's sums
+    unless `task` says otherwise); the entropy bonus gives every step a gradient (a chat model's
+    sums may all score 0 in a group)."""
     return make_cfg(["model=smollm2", "steps=1", "threads=2", "logger=jsonl", "rollout.prompts_per_step=2",
-                     "rollout.group_size=2", "rollout.max_new_tokens=8", "task.n_train=8", "task.n_eval=2",
-                     "task.max_terms=2", "eval.every=0", "loss.beta=0.04", "warm_start.steps=0",
+                     "rollout.group_size=2", "rollout.max_new_tokens=8", *task, "eval.every=0", "loss.beta=0.04", "warm_start.steps=0",
                      "loss.entropy_coef=0.01", "checkpoint.every=1", *extra])
 
 
@@ -131,10 +139,12 @@ def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lo
     assert rows[-1]["step"] == 1 and "train/kl" in rows[-1]
 
 
-def test_a_lora_run_stopped_after_a_step_resumes_to_the_uninterrupted_metrics(tmp_path):
-    run(small(*LORA, "steps=2"), str(tmp_path / "straight"))
-    run(small(*LORA, "steps=1"), str(tmp_path / "resumed"))
-    run(small(*LORA, "steps=2"), str(tmp_path / "resumed"))  # resumes from the step-1 checkpoint
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_run_stopped_after_a_step_resumes_to_the_uninterrupted_metrics(tmp_path, lora):
+    options = LORA if lora else ["optim.lr=1e-5"]
+    run(small(*options, "steps=2"), str(tmp_path / "straight"))
+    run(small(*options, "steps=1"), str(tmp_path / "resumed"))
+    run(small(*options, "steps=2"), str(tmp_path / "resumed"))  # resumes from the step-1 checkpoint
     def without_step1_eval(rows):  # the 1-step session evaluated after its last step; the straight run did not
         return [{k: v for k, v in r.items() if not (r["step"] == 1 and k.startswith("eval/"))} for r in rows]
     assert without_step1_eval(metrics(tmp_path / "resumed")) == metrics(tmp_path / "straight")
@@ -149,3 +159,35 @@ def test_the_experiment_table_is_the_one_its_readme_shows():
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
     assert table.table() in (folder / "README.md").read_text()
+
+
+def judged(completion: str, answer: int) -> float:
+    """A hand-written judge of a sum, independent of math-verify: the last \\boxed{} if any (its
+    right-hand side when it is an equation, as `3 + 4 = 7`), else the last integer of the text."""
+    import re
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", completion)
+    numbers = re.findall(r"-?\d+", boxed[-1].split("=")[-1] if boxed else completion)
+    return float(bool(numbers) and int(numbers[-1]) == answer)
+
+
+def test_the_math_task_scores_real_output_with_math_verify_and_the_format_reward_sees_its_boxes(tmp_path):
+    """task=math + rewards=accuracy_format on SmolLM2's own completions (near-greedy sampling, so
+    that the model boxes its answer as it does greedily for this prompt): each logged reward is the
+    hand-written judge's accuracy plus 0.5 for a \\boxed{}, and both terms occur."""
+    sums = [(3, 4), (7, 7), (2, 9), (5, 6)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a} + {b}", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+                            + "\n" for a, b in sums))
+    cfg = small("rewards=accuracy_format", "rollout.prompts_per_step=4", "rollout.temperature=0.05", "rollout.max_new_tokens=24",
+                "samples_every=1", "checkpoint.every=0", task=("task=math", f"task.train={data}", f"task.eval={data}"))
+    cfg.task.prompt_template = "Compute {question}. End your reply with the answer in LaTeX as $\\boxed{{...}}$."
+    run(cfg, str(tmp_path / "run"))
+    logged = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])["samples"]
+    answers = {f"Compute {a} + {b}.": a + b for a, b in sums}
+    assert len(logged) == 8
+    for s in logged:
+        answer = next(v for k, v in answers.items() if k in s["prompt"])  # the prompt as the chat template wrote it
+        expected = judged(s["completion"], answer) + 0.5 * ("\\boxed{" in s["completion"])
+        assert s["reward"] == pytest.approx(expected), s
+    row = metrics(tmp_path / "run")[-1]
+    assert row["reward/format"] > 0 and row["reward/accuracy"] > 0, row
