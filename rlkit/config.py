@@ -32,8 +32,8 @@ class RewardConfig:
     overlong_cache: int = 0          # DAPO soft overlong punishment over the last k tokens of the budget; 0 = off
     functions: Dict[str, Any] = field(default_factory=dict)  # name -> weighted reward function; {} = the task's reward
     combine: str = "sum"             # sum (weighted sum) | normalise (z-score each term in its group, then sum)
-    shuffle: bool = False            # control: permute the step's rewards across its completions (same values,
-                                     # no link to the completions); a testbed must not improve under it
+    shuffle: str = "none"            # control: none | step (the step's rewards permuted across its completions) |
+                                     # group (each group's rewards permuted among its own completions); true = step
     timeout_s: float = 60.0          # time limit of one reward call (one completion); past it the run stops naming
                                      # the row; 0 = no limit
 
@@ -241,11 +241,18 @@ def check_values(cfg: DictConfig) -> None:
     check_run_values(cfg)
 
 
+def shuffle_mode(value) -> str:
+    """`reward.shuffle` as a mode; true and false (the older spelling) are step and none."""
+    return {"true": "step", "false": "none"}.get(str(value).lower(), str(value))
+
+
 def check_run_values(cfg: DictConfig) -> None:
     """Rewards, warm start, evaluation, logging and checkpoints."""
     require(0 <= cfg.reward.overlong_cache <= cfg.rollout.max_new_tokens,
            f"reward.overlong_cache must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], "
            f"got {cfg.reward.overlong_cache}")
+    require(shuffle_mode(cfg.reward.shuffle) in ("none", "step", "group"),
+            f"reward.shuffle must be none, step or group (true = step), got {cfg.reward.shuffle!r}")
     require(cfg.reward.combine in ("sum", "normalise"),
            f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}")
     require(cfg.reward.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {cfg.reward.timeout_s}")

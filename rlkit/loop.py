@@ -26,7 +26,8 @@ from rlkit.hardware import check_portable
 from rlkit.logprobs import rollout_logprobs
 from rlkit.metrics import (feature_metrics, mean_or_none, mismatch_metrics, reward_metrics, rollout_metrics, samples,
                            weight_metrics)
-from rlkit.rewards import overlong_penalty, score, step_reward_matrix
+from rlkit.rewards import overlong_penalty, score, shuffled, step_reward_matrix
+from rlkit.config import shuffle_mode
 from rlkit.setup import eval_options, setup, validate
 from rlkit.state import Parts, Run, Runtime
 from rlkit.types import Rollout
@@ -122,8 +123,7 @@ def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, r
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         rewards, reward_parts = score(parts.task, parts.reward_fns, reward.combine, rows, texts, G,
                                       reward.timeout_s)  # [N], [N, K]
-        if reward.shuffle:
-            rewards = rewards[torch.randperm(len(rewards))]  # [N] the control: rewards unrelated to completions
+        rewards = shuffled(rewards, G, shuffle_mode(reward.shuffle))  # [N] the control: rewards unrelated to completions
         r = Rollout.from_generation(gen, G, rows=rows, texts=texts, rewards=rewards.to(rt.device),
                                     reward_parts=reward_parts)
         if reward.overlong_cache:

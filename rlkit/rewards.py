@@ -82,6 +82,19 @@ def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], 
     return combine(parts, [fn.weight for fn in functions.values()], group_size, mode), parts
 
 
+def shuffled(rewards: torch.Tensor, group_size: int, mode: str) -> torch.Tensor:
+    """The shuffled-reward control (`reward.shuffle`): `step` permutes the step's rewards across all
+    its completions; `group` permutes each group's rewards among its own completions, so every
+    group keeps its mean and spread and only the link to the completions is lost.  [N] -> [N]"""
+    if mode == "step":
+        return rewards[torch.randperm(len(rewards))]
+    if mode == "group":
+        groups = len(rewards) // group_size
+        order = torch.rand(groups, group_size).argsort(-1) + torch.arange(groups)[:, None] * group_size  # [P, G]
+        return rewards[order.flatten().to(rewards.device)]
+    return rewards
+
+
 def step_reward_matrix(step_rewards: list[list[tuple[int, float]]], completion_ids: torch.Tensor,
                        completion_mask: torch.Tensor, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Place each step's reward on the token where the step's text ends.

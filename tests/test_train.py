@@ -3,11 +3,12 @@ import json
 
 import pytest
 import torch
+from hydra.utils import instantiate
+from hypothesis import given, strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hydra.utils import instantiate
-
 from rlkit.config import resolved
+from rlkit.rewards import shuffled
 from rlkit.train import run
 from rlkit.warm_start import warm_start
 
@@ -95,20 +96,34 @@ def test_the_shuffled_reward_control_permutes_the_steps_rewards(fast_cfg, tmp_pa
     """Same seed, same completions at step 1: the shuffled run's rewards are the same values (same
     mean) given to other completions, so its advantages differ."""
     logs = {}
-    for shuffle in (False, True):
-        d = tmp_path / str(shuffle)
+    for shuffle in ("none", "true", "group"):  # true: the older spelling of step
+        d = tmp_path / shuffle
         run(fast_cfg("steps=1", f"reward.shuffle={shuffle}", "samples_every=1"), str(d))
         logs[shuffle] = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()][1]
         logs[shuffle, "samples"] = json.loads((d / "samples.jsonl").read_text().splitlines()[0])["samples"]
-    plain, shuffled = logs[False], logs[True]
-    assert plain["train/gen_tokens"] == shuffled["train/gen_tokens"]  # the same completions
-    assert plain["train/reward_all"] == pytest.approx(shuffled["train/reward_all"])
-    assert plain["train/reward_std"] == pytest.approx(shuffled["train/reward_std"])
     def mismatched(samples):  # completions whose reward is not their own answer's score
         return sum(s["reward"] != float(s["completion"].split(";")[-1] == str(eval(s["prompt"][:-1])))
                    for s in samples)
-    assert [s["completion"] for s in logs[False, "samples"]] == [s["completion"] for s in logs[True, "samples"]]
-    assert mismatched(logs[False, "samples"]) == 0 and mismatched(logs[True, "samples"]) > 0
+    plain = logs["none"]
+    assert mismatched(logs["none", "samples"]) == 0
+    for shuffle in ("true", "group"):
+        assert plain["train/gen_tokens"] == logs[shuffle]["train/gen_tokens"]  # the same completions
+        assert plain["train/reward_all"] == pytest.approx(logs[shuffle]["train/reward_all"])
+        assert plain["train/reward_std"] == pytest.approx(logs[shuffle]["train/reward_std"])
+        assert [s["completion"] for s in logs["none", "samples"]] == [s["completion"] for s in logs[shuffle, "samples"]]
+        assert mismatched(logs[shuffle, "samples"]) > 0
+    # within groups: every group keeps its own rewards, so the groups without spread are the same ones
+    assert plain["train/frac_zero_std_groups"] == logs["group"]["train/frac_zero_std_groups"]
+
+
+@given(st.integers(1, 6), st.integers(2, 6), st.integers(0, 2**31 - 1))
+def test_a_within_group_permutation_keeps_each_groups_rewards(groups, size, seed):
+    torch.manual_seed(seed)
+    rewards = torch.rand(groups * size).round(decimals=1)  # [N], ties likely
+    out = shuffled(rewards, size, "group")  # [N]
+    assert torch.equal(out.view(groups, size).sort(-1).values, rewards.view(groups, size).sort(-1).values)
+    assert torch.equal(shuffled(rewards, size, "step").sort().values, rewards.sort().values)
+    assert torch.equal(shuffled(rewards, size, "none"), rewards)
 
 
 def test_adam_epsilon_reaches_the_optimizer(fast_cfg, tmp_path):
