@@ -133,22 +133,23 @@ def x_of(run: Run, axis: str) -> dict:
 
 def parse_aggregate(spec: str) -> tuple[str, int | str]:
     """'final', 'last:K' (mean of the last K logged values), 'auc' or 'auc:tokens' (mean height of
-    the curve over steps, or over generated tokens), 'best' (best value after step 0) or 'gain' (the
-    last value minus the step-0 value: what training changed).  -> (kind, K or the auc's axis)"""
+    the curve over steps, or over generated tokens), 'best' (best value after step 0) or 'gain' /
+    'gain:K' (the last value, or the mean of the last K, minus the step-0 value: what training
+    changed).  -> (kind, K or the auc's axis)"""
     kind, _, k = spec.partition(":")
-    if kind == "last" and k.isdigit() and int(k) >= 1:
-        return "last", int(k)
+    if kind in ("last", "gain") and k.isdigit() and int(k) >= 1:
+        return kind, int(k)
     if kind == "auc" and k in ("", "step", "tokens"):
         return "auc", k or "step"
     if kind in ("final", "best", "gain") and not k:
         return kind, 1
-    raise ValueError(f"aggregate {spec!r}: use final, last:K (K >= 1), auc, auc:tokens, best or gain")
+    raise ValueError(f"aggregate {spec!r}: use final, last:K (K >= 1), auc, auc:tokens, best, gain or gain:K")
 
 
 def aggregate_name(spec: str) -> str:
     kind, k = parse_aggregate(spec)
     return {"final": "final", "last": f"mean of last {k}", "auc": f"area (mean over {k if k == 'tokens' else 'steps'})",
-            "best": "best after step 0", "gain": "final minus step 0"}[kind]
+            "best": "best after step 0", "gain": "final minus step 0" if k == 1 else f"mean of last {k} minus step 0"}[kind]
 
 
 def aggregate(run: Run, metric: str, spec: str, lower: bool = False) -> float | None:
@@ -166,8 +167,9 @@ def aggregate(run: Run, metric: str, spec: str, lower: bool = False) -> float | 
     if not series:
         return None
     values = [v for _, v in series]
-    if kind == "gain":
-        return values[-1] - values[0] if series[0][0] == 0 and len(series) > 1 else None
+    if kind == "gain":  # the last K values after step 0, less the step-0 value
+        after = values[1:][-k:]
+        return sum(after) / len(after) - values[0] if series[0][0] == 0 and after else None
     if kind in ("final", "last"):
         return sum(values[-k:]) / len(values[-k:])
     if kind == "best":

@@ -8,6 +8,7 @@ A killed study resumes where it stopped: recorded runs are kept, an interrupted 
 its checkpoint, and the plan is never recomputed.
 
     rlkit-study length_bias                 # pilot, plan, runs, analysis, README
+    rlkit-study length_bias --jobs 2        # two runs at a time (each on one thread): the same records
     rlkit-study length_bias --analyse-only  # recompute every number from results/ alone
 """
 from __future__ import annotations
@@ -53,6 +54,15 @@ class Engagement(MetricSpec):
 
 
 @dataclass
+class Learning(MetricSpec):
+    """The baseline arm must learn for any verdict to count: its mean `aggregate` of `metric` per
+    run (by default held-out accuracy, the mean of the last 3 evaluations minus step 0) is above 0
+    with its 95% interval."""
+    metric: str = "eval/accuracy"
+    aggregate: str = "gain:3"
+
+
+@dataclass
 class Seeds:
     pilot: int = 3                   # paired seeds per arm run first; their spread plans the rest
     cap: int = 20                    # most seeds per arm the study may spend
@@ -69,6 +79,9 @@ class StudySpec:
     primary: Primary = MISSING
     secondary: list = field(default_factory=list)  # MetricSpec entries, Holm-corrected together
     engagement: Engagement | None = None  # a metric that shows the treatment acted
+    learning: Learning | None = None  # a check that the baseline learns at all; failing it, no verdict
+    controls: dict = field(default_factory=dict)  # control arm name -> overrides (e.g. [reward.shuffle=group]),
+    # run at the same seeds and reported beside the baseline on the learning metric, outside the tests
     alpha: float = 0.05
     power: float = 0.8
     seeds: Seeds = field(default_factory=Seeds)
@@ -107,9 +120,13 @@ def load_spec(path: Path) -> StudySpec:
         problems.append(f"alpha must be in (0, 0.5) and power in [0.5, 1), got {spec.alpha}, {spec.power}")
     if not 2 <= spec.seeds.pilot <= spec.seeds.cap:
         problems.append(f"seeds need 2 <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
+    if set(spec.controls) & set(spec.arms):
+        problems.append(f"a control may not share an arm's name: {', '.join(set(spec.controls) & set(spec.arms))}")
+    if spec.controls and spec.learning is None:
+        problems.append("controls are compared with the baseline on the learning metric: declare `learning` too")
     if spec.engagement is not None and (spec.engagement.at_least is None) == (spec.engagement.at_most is None):
         problems.append("engagement needs exactly one of at_least and at_most")
-    for m in [spec.primary, *spec.secondary, *([spec.engagement] if spec.engagement else [])]:
+    for m in [spec.primary, *spec.secondary, *[c for c in (spec.engagement, spec.learning) if c is not None]]:
         try:
             parse_aggregate(m.aggregate)
         except ValueError as e:
@@ -123,7 +140,7 @@ def check_lists(path: Path, loaded) -> None:
     """The shared overrides and each arm's are lists (a string would be taken apart into characters)."""
     if not OmegaConf.is_dict(loaded) or not OmegaConf.is_dict(loaded.get("arms", {})):
         raise StudyError(f"{path}: a study file is a mapping whose `arms` map each arm's name to its overrides")
-    arms = [(f"arms.{a}", o) for a, o in (loaded.get("arms") or {}).items()]
+    arms = [(f"{group}.{a}", o) for group in ("arms", "controls") for a, o in (loaded.get(group) or {}).items()]
     for where, value in [("config", loaded.get("config", [])), *arms]:
         if not (OmegaConf.is_list(value) or isinstance(value, list)):
             raise StudyError(f"{path}: {where} must be a list of overrides, e.g. [algo=grpo], got {value!r}")
@@ -135,8 +152,13 @@ def record_path(results: Path, arm: str, seed: int) -> Path:
     return results / "runs" / f"{arm}_seed{seed}.jsonl.gz"
 
 
+def every_arm(spec: StudySpec) -> dict:
+    """The arms under test and the control arms: name -> own overrides."""
+    return {**spec.arms, **spec.controls}
+
+
 def overrides(spec: StudySpec, arm: str) -> list[str]:
-    return [*spec.config, *spec.arms[arm]]
+    return [*spec.config, *every_arm(spec)[arm]]
 
 
 def record(spec: StudySpec, results: Path, arm: str, seed: int, run_dir: Path, exit_code: int) -> None:
@@ -179,11 +201,11 @@ def read_records(results: Path) -> list[tuple[dict, list[dict]]]:
 # ---- running -------------------------------------------------------------------------------------------------------
 
 class Signals:
-    """While the study runs: SIGINT or SIGTERM is forwarded once to the training run in progress
+    """While the study runs: SIGINT or SIGTERM is forwarded once to each training run in progress
     (which checkpoints and exits 75), and no further run starts."""
 
     def __init__(self):
-        self.proc, self.received = None, None
+        self.procs, self.received = set(), None
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -195,26 +217,27 @@ class Signals:
 
     def handle(self, sig, frame) -> None:
         self.received = signal.Signals(sig).name
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
+        for proc in list(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(sig)
 
 
-def train(spec: StudySpec, arm: str, seed: int, run_dir: Path, signals: Signals) -> int:
-    """One run through `rlkit-train` in its own process (so nothing carries over between runs); its
-    output goes to `<run_dir>.log`. A rerun of an interrupted run resumes from its checkpoint. The
-    run sits in a session of its own, so a signal to the study reaches it once, through `signals`;
-    if the study is killed outright, so is the run."""
-    cmd = [sys.executable, "-m", "rlkit.train", *overrides(spec, arm), f"seed={seed}", f"hydra.run.dir={run_dir}"]
+def start(spec: StudySpec, arm: str, seed: int, run_dir: Path, signals: Signals) -> subprocess.Popen:
+    """One run through `rlkit-train` in its own process (so nothing carries over between runs), on
+    one thread (so a study gives the same numbers however many runs share the machine); its output
+    goes to `<run_dir>.log`. A rerun of an interrupted run resumes from its checkpoint. The run sits
+    in a session of its own, so a signal to the study reaches it once, through `signals`; if the
+    study is killed outright, so is the run."""
+    cmd = [sys.executable, "-m", "rlkit.train", *overrides(spec, arm), f"seed={seed}", "threads=1",
+           f"hydra.run.dir={run_dir}"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{run_dir}.log", "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        signals.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=die_with_parent)
-        try:
-            return signals.proc.wait()
-        finally:
-            signals.proc = None
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
+    signals.procs.add(proc)
+    return proc
 
 
 def die_with_parent() -> None:
@@ -224,28 +247,48 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
-def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Path, signals: Signals) -> None:
-    """Every arm at every seed in `seeds` that is not recorded yet, seed by seed (pairs complete early)."""
-    for seed in seeds:
-        for arm in spec.arms:
-            if record_path(results, arm, seed).exists():
-                continue
-            if signals.received:
-                raise Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received} before {arm} seed {seed}; "
-                                              "rerun the same command to resume")
+def finished(running: dict, signals: Signals) -> tuple[subprocess.Popen, tuple]:
+    """The first of the running processes to end, with what it was started for."""
+    while True:
+        for proc in running:
+            if proc.poll() is not None:
+                signals.procs.discard(proc)
+                return proc, running.pop(proc)
+        time.sleep(0.2)
+
+
+def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Path, signals: Signals,
+              jobs: int = 1) -> None:
+    """Every arm (and control) at every seed in `seeds` that is not recorded yet, seed by seed (pairs
+    complete early), `jobs` runs at a time. A failed or stopped run lets the others finish (and be
+    recorded) and starts no new one."""
+    todo = [(arm, seed) for seed in seeds for arm in every_arm(spec) if not record_path(results, arm, seed).exists()]
+    running, stop = {}, None
+    while todo or running:
+        while todo and len(running) < jobs and stop is None and not signals.received:
+            arm, seed = todo.pop(0)
             run_dir = runs / arm / f"seed_{seed}"
-            t0 = time.time()
-            code = train(spec, arm, seed, run_dir, signals)
-            print(f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
-                  file=sys.stderr)
-            if code in (0, 3) and (run_dir / "metrics.jsonl").exists():  # 3: stopped by non-finite updates; kept, named
-                record(spec, results, arm, seed, run_dir, code)
-            elif code == EXIT_PREEMPTED or (signals.received and code < 0):  # < 0: hit before it could checkpoint
-                raise Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received or 'a signal'} during {arm} seed "
-                                              f"{seed}; rerun the same command to resume")
-            else:
-                raise Stopped(code if code > 0 else 1, f"{name}: {arm} seed {seed} failed (exit {code}); see "
-                              f"{run_dir}.log. Fix the cause and rerun the same command: recorded runs are kept")
+            running[start(spec, arm, seed, run_dir, signals)] = (arm, seed, run_dir, time.time())
+        if not running:
+            break
+        proc, (arm, seed, run_dir, t0) = finished(running, signals)
+        code = proc.returncode
+        print(f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
+              file=sys.stderr)
+        if code in (0, 3) and (run_dir / "metrics.jsonl").exists():  # 3: stopped by non-finite updates; kept, named
+            record(spec, results, arm, seed, run_dir, code)
+        elif code == EXIT_PREEMPTED or (signals.received and code < 0):  # < 0: hit before it could checkpoint
+            stop = stop or Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received or 'a signal'} during "
+                                                   f"{arm} seed {seed}; rerun the same command to resume")
+        else:
+            stop = stop or Stopped(code if code > 0 else 1, f"{name}: {arm} seed {seed} failed (exit {code}); see "
+                                   f"{run_dir}.log. Fix the cause and rerun the same command: recorded runs are kept")
+    if stop is not None:
+        raise stop
+    if todo:
+        arm, seed = todo[0]
+        raise Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received} before {arm} seed {seed}; "
+                                      "rerun the same command to resume")
 
 
 def plan(spec: StudySpec, records: list) -> dict:
@@ -278,6 +321,15 @@ def declared(spec: StudySpec) -> dict:
     return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(spec))))
 
 
+def with_defaults(was: dict) -> dict:
+    """A kept declaration with the keys the study schema gained since at their defaults (a study
+    file that never named them still declares the same), so only what was said is compared."""
+    try:
+        return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(StudySpec), was))))
+    except OmegaConfBaseException:  # a key the schema no longer has: compared as it was kept
+        return was
+
+
 def changes(was: dict, now: dict, prefix: str = "") -> list[str]:
     """'key: old -> new' for every leaf where two declarations differ."""
     out = []
@@ -297,14 +349,16 @@ def check_declaration(spec: StudySpec, name: str, results: Path, records: list) 
     fix = ("restore the study file (e.g. `git checkout` it); a changed declaration is a new study: copy it to a new "
            "folder and run that")
     for head, _ in records:
-        if head["arm"] not in spec.arms or head.get("overrides") != overrides(spec, head["arm"]):
+        known = head["arm"] in every_arm(spec)
+        if not known or head.get("overrides") != overrides(spec, head["arm"]):
             raise Stopped(EXIT_BAD_INPUT, f"{name}: {head['arm']} seed {head['seed']} was recorded with overrides "
                           f"{head.get('overrides')}, but the study file now says "
-                          f"{overrides(spec, head['arm']) if head['arm'] in spec.arms else 'no such arm'}; {fix}")
+                          f"{overrides(spec, head['arm']) if known else 'no such arm'}; {fix}")
     plan_file, now = results / "plan.json", declared(spec)
     kept = [(str(plan_file), read_plan(plan_file)["declared"])] if plan_file.exists() else []
     kept += [(f"the record of {h['arm']} seed {h['seed']}", h["declared"]) for h, _ in records if "declared" in h]
     for where, was in kept:
+        was = with_defaults(was)
         if was != now:
             raise Stopped(EXIT_BAD_INPUT, f"{name}: the study file differs from the declaration in {where}, under "
                           f"which the runs were made: {'; '.join(changes(was, now))}; {fix}")
@@ -330,7 +384,8 @@ def check_logged(spec: StudySpec, records: list) -> None:
     for head, rows in records:
         logged.setdefault(head["arm"], set()).update(k for row in rows for k in row)
     everywhere = set.union(*logged.values()) if logged else set()
-    missing = [m.metric for m in [spec.primary, *spec.secondary] if m.metric not in everywhere]
+    missing = [m.metric for m in [spec.primary, *spec.secondary, *([spec.learning] if spec.learning else [])]
+               if m.metric not in everywhere]
     if spec.engagement is not None and not any(spec.engagement.metric in logged.get(a, ()) for a in spec.arms
                                                if a != spec.baseline):
         missing.append(spec.engagement.metric)
@@ -351,15 +406,15 @@ def study_paths(target: str) -> tuple[str, Path]:
     return path.parent.name, path
 
 
-def run_all(spec: StudySpec, name: str, runs: Path, results: Path) -> None:
-    """The pilot, the plan (fixed once), then the planned seeds."""
+def run_all(spec: StudySpec, name: str, runs: Path, results: Path, jobs: int = 1) -> None:
+    """The pilot, the plan (fixed once), then the planned seeds, `jobs` runs at a time."""
     with Signals() as signals:
-        run_planned(spec, name, runs, results, signals)
+        run_planned(spec, name, runs, results, signals, jobs)
 
 
-def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals) -> None:
+def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals, jobs: int) -> None:
     check_declaration(spec, name, results, read_records(results))
-    run_seeds(spec, name, range(spec.seeds.pilot), runs, results, signals)
+    run_seeds(spec, name, range(spec.seeds.pilot), runs, results, signals, jobs)
     check_logged(spec, read_records(results))
     plan_file = results / "plan.json"
     if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
@@ -367,7 +422,7 @@ def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: 
     fixed = read_plan(plan_file)
     print(f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap "
           f"{fixed['cap']})", file=sys.stderr)
-    run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals)
+    run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals, jobs)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -376,11 +431,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("study", help="a study name (experiments/<name>/study.yaml) or the path of a study file")
     p.add_argument("--runs", type=Path, help="where run directories go (default: outputs/studies/<name>)")
     p.add_argument("--analyse-only", action="store_true", help="no runs: recompute the analysis from results/")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time, each on one thread (default 1); the "
+                   "records and the verdict are the same for any number")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    if a.jobs < 1:
+        parser().error(f"--jobs must be >= 1, got {a.jobs}")
     try:
         name, path = study_paths(a.study)
         spec = load_spec(path)
@@ -390,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     results, runs = path.parent / "results", a.runs or Path("outputs", "studies", name)
     try:
         if not a.analyse_only:
-            run_all(spec, name, runs, results)
+            run_all(spec, name, runs, results, a.jobs)
         records, plan_file = read_records(results), results / "plan.json"
         check_declaration(spec, name, results, records)
         fixed = read_plan(plan_file) if plan_file.exists() else None

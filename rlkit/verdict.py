@@ -40,9 +40,12 @@ def pair(values: dict, base: str, arm: str) -> tuple[list[float], list[float]]:
     return [values[base][s] for s in seeds], [values[arm][s] for s in seeds]
 
 
-def decide(spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped: bool) -> tuple[str, str]:
+def decide(spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped: bool,
+           learned: bool | None = None) -> tuple[str, str]:
     """The verdict and its reason for one treatment's primary difference d (treatment - baseline)."""
     delta, direction = spec.primary.smallest_effect, spec.primary.direction
+    if learned is False:
+        return "not tested", "the baseline did not learn (the learning check failed), so the testbed cannot show the claim"
     if engaged is False:
         return "not tested", "the engagement check failed: the treatment did not act enough to test the claim"
     if d.n < 2:
@@ -87,6 +90,25 @@ def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]
     return out, lines
 
 
+def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
+    """Whether the baseline learned (its mean learning aggregate above 0 with its interval), and a
+    line for it and for each control arm against it; (None, []) when the study declares no check."""
+    L = spec.learning
+    if L is None:
+        return None, []
+    values, name = per_run(arms, L), f"{aggregate_name(L.aggregate)} {L.metric}"
+    gains = list(values.get(spec.baseline, {}).values())
+    d = stats.paired([0.0] * len(gains), gains, spec.alpha)
+    learned = d.n >= 2 and (d.diff > 0 if d.zero_variance else d.interval[0] > 0)
+    lines = [f"{spec.baseline} (baseline): {name} = {d.describe()}: "
+             + ("passed" if learned else "FAILED, the baseline did not learn")]
+    for control in spec.controls:
+        own = list(values.get(control, {}).values())
+        lines.append(f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {spec.baseline} - {control}: "
+                     f"{stats.paired(*reversed(pair(values, spec.baseline, control)), spec.alpha).describe()}")
+    return learned, lines
+
+
 def analyse(spec, records: list, plan: dict | None) -> dict:
     """Every number of the report, from the records alone."""
     treatments = [a for a in spec.arms if a != spec.baseline]
@@ -97,8 +119,10 @@ def analyse(spec, records: list, plan: dict | None) -> dict:
     raw = [d.tost(spec.primary.smallest_effect) if equal else d.p for d in diffs.values()]
     adjusted = stats.holm(raw)
     engaged, engagement_lines = engagement(spec, arms, treatments)
+    learned, learning_lines = learning(spec, arms)
     capped = bool(plan and plan.get("capped"))
-    verdicts = {arm: decide(spec, diffs[arm], p, engaged.get(arm), capped) for arm, p in zip(treatments, adjusted)}
+    verdicts = {arm: decide(spec, diffs[arm], p, engaged.get(arm), capped, learned)
+                for arm, p in zip(treatments, adjusted)}
     secondary = []
     for m in spec.secondary:
         vals = per_run(arms, m)
@@ -108,6 +132,7 @@ def analyse(spec, records: list, plan: dict | None) -> dict:
                               stats.paired(a, b, spec.alpha), stats.robust(a, b, m.lower, spec.alpha), arm, m.lower))
     return {"treatments": treatments, "values": values, "diffs": diffs, "p_raw": dict(zip(treatments, raw)),
             "p_adjusted": dict(zip(treatments, adjusted)), "verdicts": verdicts, "engagement": engagement_lines,
+            "learned": learned, "learning": learning_lines,
             "secondary": secondary, "secondary_holm": stats.holm([d.p for _, d, *_ in secondary]),
             "left_out": left_out, "arms": arms}
 
@@ -129,13 +154,18 @@ def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
     if plan is not None:
         seeds += f"; planned {plan['seeds']} per arm (needed {plan['needed']}" + "".join(
             f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}" for a, v in plan["arms"].items()) + ")"
+    L = spec.learning
+    learns = [] if L is None else [f"- Learning check: the baseline's {aggregate_name(L.aggregate)} {L.metric} per run "
+                                   f"is above 0 with its {1 - spec.alpha:.0%} interval; failing it, no verdict"]
+    controls = [] if not spec.controls else ["- Controls, beside the baseline on the learning metric: " + ", ".join(
+        f"`{c}` ({' '.join(o)})" for c, o in spec.controls.items())]
     return [f"- Claim: {spec.claim.strip()} ({spec.source})",
             f"- Arms: {arms}; baseline `{spec.baseline}`; shared overrides: {' '.join(spec.config) or 'none'}",
             f"- Primary: {aggregate_name(P.aggregate)} of {P.metric} per run; each treatment {effect} against the "
             f"baseline; alpha {spec.alpha:g} (Holm across {treatments} treatment(s)), power {spec.power:g}",
             "- Secondary (Holm across every line): "
             + (", ".join(f"{aggregate_name(m.aggregate)} {m.metric}" for m in spec.secondary) or "none"),
-            f"- Engagement: {check}", f"- Seeds: {seeds}"]
+            f"- Engagement: {check}", *learns, *controls, f"- Seeds: {seeds}"]
 
 
 def report(spec, name: str, results: Path, records: list, plan: dict | None) -> str:
@@ -144,7 +174,7 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
     r, P = analyse(spec, records, plan), spec.primary
     lines = [MARKER, "", "## Declared protocol (study.yaml)", "", *protocol(spec, plan, len(r["treatments"])),
              "", "## Result", "", f"| arm | runs | {aggregate_name(P.aggregate)} {P.metric} |", "|---|---|---|"]
-    for arm in spec.arms:
+    for arm in [*spec.arms, *spec.controls]:
         v = list(r["values"].get(arm, {}).values())
         lines.append(f"| {arm} | {len(v)} | {fmt_ci(v)} |")
     lines.append("")
@@ -157,6 +187,8 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
         rob = stats.robust(*pair(r["values"], spec.baseline, arm), P.lower, spec.alpha)
         if rob is not None:
             lines += [rob.describe(spec.baseline, arm, P.lower), ""]
+    if r["learning"]:
+        lines += ["### Learning check", "", *[f"- {x}" for x in r["learning"]], ""]
     lines += ["### Engagement", "", *[f"- {e}" for e in r["engagement"]], ""]
     if r["secondary"]:
         n = len(r["secondary"])
@@ -179,7 +211,7 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
 
 
 def plot_primary(spec, arms: dict, results: Path) -> bool:
-    groups = {(arm,): list(arms[arm].values()) for arm in spec.arms if arms.get(arm)}
+    groups = {(arm,): list(arms[arm].values()) for arm in [*spec.arms, *spec.controls] if arms.get(arm)}
     png = results / (spec.primary.metric.replace("/", "_") + ".png")
     return bool(groups) and plot(groups, ["arm"], spec.primary.metric, png)
 

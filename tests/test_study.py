@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, make_cfg
+from test_reliability import TIMING
 from rlkit import stats
 from rlkit.study import load_spec, main as study_main, plan, read_records, StudyError
-from rlkit.verdict import MARKER, analyse
+from rlkit.verdict import MARKER, analyse, report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +75,26 @@ def test_verdicts_follow_the_declared_rule(tmp_path):
     assert verdict(equal, records([0.3, 0.4, 0.5], [0.6, 0.72, 0.8]))[0] == "refuted"
     engaged = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11})
     assert verdict(engaged, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "not tested"
+
+
+def test_a_baseline_that_does_not_learn_gives_no_verdict_and_controls_stand_beside_it(tmp_path):
+    spec = write_spec(tmp_path, learning={"aggregate": "gain:2"}, controls={"c": ["reward.shuffle=group"]})
+    flat = records([0.3, 0.31, 0.29, 0.3], [0.40, 0.52, 0.61, 0.44])  # baseline gains 0, +0.01, -0.01, 0 over 0.3
+    assert verdict(spec, flat) == ("not tested", "the baseline did not learn (the learning check failed), so the "
+                                                 "testbed cannot show the claim")
+    learns = records([0.4, 0.45, 0.5, 0.42], [0.5, 0.55, 0.6, 0.52])  # gains 0.10, 0.15, 0.20, 0.12; t: +0.10 each
+    learns += [rec("c", s, v) for s, v in enumerate([0.3, 0.28, 0.31, 0.3])]  # the control: gains 0, -0.02, +0.01, 0
+    r = analyse(spec, learns, None)
+    assert r["learned"] and r["verdicts"]["t"][0] == "reproduced"
+    assert r["learning"][0].startswith("b (baseline): mean of last 2 minus step 0 eval/accuracy = +0.143 [")
+    assert r["learning"][1].startswith("c (control): mean of last 2 minus step 0 eval/accuracy = -0.002 ± 0.020 over 4 runs")
+    assert "b - c: +0.145 [" in r["learning"][1]  # per seed 0.10, 0.17, 0.19, 0.12
+    text = report(spec, "s", tmp_path, learns, None)
+    assert "### Learning check" in text and "| c | 4 |" in text and "- Controls, beside the baseline" in text
+    with pytest.raises(StudyError, match="declare `learning` too"):
+        write_spec(tmp_path, controls={"c": ["reward.shuffle=group"]})
+    with pytest.raises(StudyError, match="a control may not share an arm's name: t"):
+        write_spec(tmp_path, learning={}, controls={"t": ["reward.shuffle=group"]})
 
 
 def test_the_analysis_pairs_by_seed_names_what_it_leaves_out_and_corrects_secondary_lines(tmp_path):
@@ -184,6 +205,18 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     assert len(read_records(folder / "results")) == 4 and (folder / "README.md").read_text() == readme
     (folder / "study.yaml").write_text(declared)
     damaged_study_files_are_named(folder, readme, capsys)
+    # the same study two runs at a time: the same records (each run on one thread either way)
+    twin = tmp_path / "experiments" / "twin"
+    twin.mkdir()
+    (twin / "study.yaml").write_text(declared)
+    both = subprocess.run([sys.executable, "-m", "rlkit.study", "twin", "--jobs", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert both.returncode == 0, both.stderr[-3000:]
+    def kept(results):  # each record's metric rows, without the timing keys
+        return {(h["arm"], h["seed"]): [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+                for h, rows in read_records(results)}
+    assert kept(twin / "results") == kept(folder / "results")
+    assert both.stdout.split("## Result")[1] == done.stdout.split("## Result")[1].replace("rlkit-study tiny", "rlkit-study twin")
 
 
 def damaged_study_files_are_named(folder, readme, capsys):
