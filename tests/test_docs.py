@@ -103,7 +103,7 @@ def check_command(cmd: str) -> None:
         elif tokens[0] == "rlkit-study":
             name, path = study.study_paths(study.parser().parse_args(tokens[1:]).study)
             spec = study.load_spec(path)
-            for arm in spec.arms:
+            for arm in study.every_arm(spec):
                 check_train(study.overrides(spec, arm), 1)
         elif tokens[:2] == ["pip", "install"]:
             target = tokens[-1]

@@ -15,7 +15,7 @@ import pytest
 from conftest import FAST, make_cfg
 from test_reliability import TIMING
 from rlkit import stats
-from rlkit.study import load_spec, main as study_main, plan, read_records, StudyError
+from rlkit.study import every_arm, load_spec, main as study_main, plan, read_records, StudyError
 from rlkit.verdict import MARKER, analyse, report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_the_plan_comes_from_the_pilot_spread_at_the_declared_effect(tmp_path):
 @pytest.mark.parametrize("study", sorted(p.parent.name for p in (REPO / "experiments").glob("*/study.yaml")))
 def test_every_declared_study_loads_and_its_arms_compose(study):
     spec = load_spec(REPO / "experiments" / study / "study.yaml")
-    for overrides in spec.arms.values():
+    for overrides in every_arm(spec).values():
         cfg = make_cfg([*spec.config, *overrides])
         assert cfg.steps >= 1
 
