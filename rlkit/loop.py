@@ -281,7 +281,8 @@ def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
         batch, stats = learn(run, rollout) if kept else (None, UpdateStats())
     metrics = measure(parts, rt, n, rollout, batch, stats, metrics)
     if n == cfg.steps or (cfg.eval.every and n % cfg.eval.every == 0):
-        run.progress.last_eval = evaluate(parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg))
+        run.progress.last_eval = evaluate(parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg),
+                                          policy=parts.policy)
         metrics.update(run.progress.last_eval)
     metrics = parallel.mean_metrics(metrics)
     rt.logger.log(n, metrics)  # metrics without a value (None) are left out

@@ -160,7 +160,8 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components 
             {"choices": run_info.get("choices", {}), "config": resolved(cfg), "warm_start": warm, "processes": world,
              "parallel": type(c.parallel).__name__, "hardware": hardware(device)}, indent=1))
     p = run.progress
-    p.first_eval = p.first_eval or evaluate(parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg))
+    p.first_eval = p.first_eval or evaluate(parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg),
+                                        policy=parts.policy)
     p.last_eval = p.last_eval or p.first_eval
     if p.start == 0:
         run.runtime.logger.log(0, p.first_eval)

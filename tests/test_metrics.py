@@ -1,6 +1,8 @@
 """A statistic of an empty subset is missing (None, not logged), never 0: one test per metric family."""
 import json
+import math
 
+import pytest
 import torch
 
 from conftest import make_cfg
@@ -8,7 +10,7 @@ from helpers import make_rollout
 from rlkit.advantages import DrGRPO
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.config import build
-from rlkit.evaluate import evaluate
+from rlkit.evaluate import evaluate, probe_entropy
 from rlkit.logging import JsonlLogger
 from rlkit.metrics import rollout_metrics, weight_metrics
 
@@ -56,3 +58,25 @@ def test_evaluation_reports_greedy_and_sampled_accuracy_per_difficulty_on_a_fixe
     assert {f"eval/acc_d{d}" for d in levels} | {f"eval/mean@3_d{d}" for d in levels} <= set(out)
     assert all(v is None or 0 <= v <= 1 for k, v in out.items() if "acc" in k or "mean@" in k)
     assert out["eval/accuracy"] == 0.0 and out["eval/len_correct"] is None and out["eval/len_incorrect"] == 4.0
+    assert "eval/probe_entropy" not in out  # no policy given: no probe
+    probe = probe_entropy(policy, tokenizer, task, batch_size=5)  # all logits equal: log V nats at every token
+    assert probe["eval/probe_entropy"] == pytest.approx(math.log(policy.config.vocab_size), rel=1e-6)
+
+
+def test_the_probe_entropy_is_a_plain_forwards_mean_token_entropy_on_fixed_demonstrations():
+    import random
+    from rlkit.warm_start import demonstration_batch
+    cfg = make_cfg(["task.n_train=64", "task.n_eval=12"])
+    task = build(cfg, "task")
+    policy, tokenizer = build(cfg, "model").build(task.alphabet, seed=0)  # random weights: entropies differ by token
+    rows, rng, total, count = task.eval.to_list(), random.Random(0), 0.0, 0
+    pid, pmask, cid, cmask = demonstration_batch(tokenizer, task, rows, rng)  # the same draws, one batch
+    with torch.no_grad():
+        for i in range(len(rows)):
+            p, c = pid[i][pmask[i].bool()], cid[i][cmask[i].bool()]
+            logits = policy(torch.cat([p, c])[None]).logits[0, len(p) - 1:-1]  # [tc, V]
+            total += float(-(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).sum())
+            count += len(c)
+    first = probe_entropy(policy, tokenizer, task, batch_size=5)["eval/probe_entropy"]
+    assert first == pytest.approx(total / count, rel=1e-5)
+    assert probe_entropy(policy, tokenizer, task, batch_size=12)["eval/probe_entropy"] == pytest.approx(first, rel=1e-6)
