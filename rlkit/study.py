@@ -51,6 +51,7 @@ class Primary(MetricSpec):
 class Engagement(MetricSpec):
     at_least: float | None = None    # each treatment arm's mean aggregate must reach this ...
     at_most: float | None = None     # ... or stay below this, for the treatment to count as applied
+    arm: str | None = None           # or this one arm's (e.g. the baseline's: the mechanism must bind there)
 
 
 @dataclass
@@ -126,6 +127,8 @@ def load_spec(path: Path) -> StudySpec:
         problems.append("controls are compared with the baseline on the learning metric: declare `learning` too")
     if spec.engagement is not None and (spec.engagement.at_least is None) == (spec.engagement.at_most is None):
         problems.append("engagement needs exactly one of at_least and at_most")
+    if spec.engagement is not None and spec.engagement.arm not in (None, *spec.arms):
+        problems.append(f"engagement.arm {spec.engagement.arm!r} is not one of the arms ({', '.join(spec.arms)})")
     for m in [spec.primary, *spec.secondary, *[c for c in (spec.engagement, spec.learning) if c is not None]]:
         try:
             parse_aggregate(m.aggregate)
@@ -386,8 +389,9 @@ def check_logged(spec: StudySpec, records: list) -> None:
     everywhere = set.union(*logged.values()) if logged else set()
     missing = [m.metric for m in [spec.primary, *spec.secondary, *([spec.learning] if spec.learning else [])]
                if m.metric not in everywhere]
-    if spec.engagement is not None and not any(spec.engagement.metric in logged.get(a, ()) for a in spec.arms
-                                               if a != spec.baseline):
+    e = spec.engagement
+    if e is not None and not any(e.metric in logged.get(a, ()) for a in ([e.arm] if e.arm else spec.arms)
+                                 if e.arm or a != spec.baseline):
         missing.append(spec.engagement.metric)
     if missing:
         raise Stopped(EXIT_BAD_INPUT, f"no pilot run logged {', '.join(missing)}; logged: "

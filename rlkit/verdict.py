@@ -75,19 +75,20 @@ def decide(spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped
 
 
 def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]]:
-    """{arm: passed} and a line per arm; {} when the study declares no check."""
+    """{treatment: passed} and a line per checked arm (each treatment, or the one declared arm,
+    whose result then holds for every treatment); {} when the study declares no check."""
     e = spec.engagement
     if e is None:
         return {}, ["no engagement check declared"]
-    values, out, lines = per_run(arms, e), {}, []
-    for arm in treatments:
+    values, passed, lines = per_run(arms, e), {}, []
+    for arm in [e.arm] if e.arm else treatments:
         v = list(values.get(arm, {}).values())
         mean = sum(v) / len(v) if v else float("nan")
-        out[arm] = (mean >= e.at_least) if e.at_least is not None else (mean <= e.at_most)
+        passed[arm] = (mean >= e.at_least) if e.at_least is not None else (mean <= e.at_most)
         bound = f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}"
         lines.append(f"{arm}: {aggregate_name(e.aggregate)} {e.metric} = {mean:.4g} over {len(v)} runs, needs {bound}: "
-                     + ("passed" if out[arm] else "FAILED"))
-    return out, lines
+                     + ("passed" if passed[arm] else "FAILED"))
+    return {arm: passed[e.arm or arm] for arm in treatments}, lines
 
 
 def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
@@ -149,7 +150,8 @@ def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
         f"{P.direction} by at least {P.smallest_effect:g}"
     e = spec.engagement
     check = "none declared" if e is None else (f"{aggregate_name(e.aggregate)} {e.metric} " + (
-        f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}") + " in each treatment arm")
+        f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}")
+        + (f" in the {e.arm} arm" if e.arm else " in each treatment arm"))
     seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
     if plan is not None:
         seeds += f"; planned {plan['seeds']} per arm (needed {plan['needed']}" + "".join(

@@ -75,6 +75,12 @@ def test_verdicts_follow_the_declared_rule(tmp_path):
     assert verdict(equal, records([0.3, 0.4, 0.5], [0.6, 0.72, 0.8]))[0] == "refuted"
     engaged = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11})
     assert verdict(engaged, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "not tested"
+    in_base = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11, "arm": "b"})
+    recs = records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44], length=12.0)  # only t's runs reach 11
+    assert verdict(in_base, recs)[0] == "not tested"  # the declared arm (the baseline) is the one checked
+    assert analyse(in_base, recs, None)["engagement"] == ["b: final train/len = 10 over 4 runs, needs >= 11: FAILED"]
+    with pytest.raises(StudyError, match="engagement.arm 'x' is not one of the arms"):
+        write_spec(tmp_path, engagement={"metric": "m", "at_least": 1, "arm": "x"})
 
 
 def test_a_baseline_that_does_not_learn_gives_no_verdict_and_controls_stand_beside_it(tmp_path):
