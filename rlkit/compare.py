@@ -11,27 +11,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from rlkit import stats
+from rlkit.stats import mean_ci
 from rlkit.runs import (WARNINGS, Run, aggregate, aggregate_name, differing_keys, finished_only,  # noqa: F401
                         load_runs, load_wandb_runs, parse_aggregate, warn, x_of)
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond
-T95 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
-       2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555,
-       2.0518, 2.0484, 2.0452, 2.0423]
-
-
 class BadArgument(ValueError):
     """A command-line value that does not fit the runs (exit 2 with the usage line)."""
-
-
-def mean_ci(values: list[float]) -> tuple[float, float]:
-    """Mean and half-width of the 95% confidence interval (Student t) over seeds; nan for n < 2."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, float("nan")
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, (T95[n - 2] if n - 1 <= len(T95) else 1.96) * sd / math.sqrt(n)
 
 
 def group_runs(runs: list[Run], by: list[str]) -> dict[tuple, list[Run]]:

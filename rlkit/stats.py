@@ -69,6 +69,16 @@ class Difference:
                 f"p = {self.p:.2g} ({'paired t' if self.paired else 'Welch t'}, n = {self.n})")
 
 
+def mean_ci(values: list[float], alpha: float = 0.05) -> tuple[float, float]:
+    """Mean and half-width of the (1 - alpha) confidence interval (Student t) over runs; nan for n < 2."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, float(sps.t.ppf(1 - alpha / 2, n - 1)) * sd / math.sqrt(n)
+
+
 def _mean_var(x: list[float]) -> tuple[float, float]:
     """Mean and sample variance; a variance at the level of float rounding (differences such as
     0.7 - 0.6 against 0.8 - 0.7) is exactly 0, so it reads as "no spread", not as a huge t. Of no

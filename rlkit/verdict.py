@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 
 from rlkit import files, stats
-from rlkit.compare import fmt, mean_ci, plot
+from rlkit.compare import fmt, plot
+from rlkit.stats import mean_ci
 from rlkit.logging import flatten
 from rlkit.runs import Run, aggregate, aggregate_name, from_rows
 

@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_module
 from matplotlib.image import imread
 
 from conftest import FAST, make_cfg
-from rlkit.compare import main as compare_main, mean_ci
+from rlkit.compare import main as compare_main
+from rlkit.stats import mean_ci
 from rlkit.train import run
 from wandb_files import read_records
 
