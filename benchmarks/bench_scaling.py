@@ -11,6 +11,7 @@ EOS. Settings otherwise as in `bench_vs_trl.py` (beta 0.04, one update per rollo
 Prints one markdown row per configuration: the G sweep at the middle budget and the budget
 sweep at G = 8, for each size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,19 +21,33 @@ import tempfile
 import time
 
 import torch
-
 from bench_vs_trl import SIZES, rlkit_state
+
 from rlkit.loop import collect, learn
 
-SIZES = {**SIZES, "50m": ["model.hidden_size=512", "model.num_layers=12", "model.num_heads=8",
-                          "model.num_kv_heads=4", "model.intermediate_size=2048"]}
+SIZES = {
+    **SIZES,
+    "50m": [
+        "model.hidden_size=512",
+        "model.num_layers=12",
+        "model.num_heads=8",
+        "model.num_kv_heads=4",
+        "model.intermediate_size=2048",
+    ],
+}
 PHASES = ("generate", "logprob", "update")
 
 
 def measure(size: str, group: int, budget: int, prompts: int, steps: int, natural: bool, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        state = rlkit_state([*SIZES[size], f"threads={threads}", "+model.max_position_embeddings=512"],
-                            os.path.join(tmp, "run"), prompts, group, budget, fixed=not natural)
+        state = rlkit_state(
+            [*SIZES[size], f"threads={threads}", "+model.max_position_embeddings=512"],
+            os.path.join(tmp, "run"),
+            prompts,
+            group,
+            budget,
+            fixed=not natural,
+        )
         times, splits, tokens = [], [], []
         for _ in range(steps + 1):  # the first step is a warm-up
             state.runtime.timer.clear()
@@ -45,15 +60,25 @@ def measure(size: str, group: int, budget: int, prompts: int, steps: int, natura
         params = sum(p.numel() for p in state.parts.policy.parameters())
     step = statistics.median(times[1:])
     split = {k: statistics.median(s.get(k, 0.0) for s in splits[1:]) / step for k in PHASES}
-    return {"size": size, "params": params, "G": group, "budget": budget, "rows": prompts * group,
-            "tokens": statistics.mean(tokens[1:]), "step": step, "split": split}
+    return {
+        "size": size,
+        "params": params,
+        "G": group,
+        "budget": budget,
+        "rows": prompts * group,
+        "tokens": statistics.mean(tokens[1:]),
+        "step": step,
+        "split": split,
+    }
 
 
 def row(r: dict) -> str:
     split = " | ".join(f"{r['split'][k]:.0%}" for k in PHASES)
     per_k = r["step"] / r["tokens"] * 1000
-    return (f"| {r['size']} ({r['params'] / 1e6:.1f}M) | {r['G']} | {r['budget']} | {r['rows']} | {r['tokens']:.0f} | "
-            f"{r['step']:.2f} | {split} | {per_k:.2f} |")
+    return (
+        f"| {r['size']} ({r['params'] / 1e6:.1f}M) | {r['G']} | {r['budget']} | {r['rows']} | {r['tokens']:.0f} | "
+        f"{r['step']:.2f} | {split} | {per_k:.2f} |"
+    )
 
 
 def main() -> None:
@@ -68,9 +93,13 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with open("/proc/loadavg") as f:
-        print(f"load average before: {' '.join(f.read().split()[:3])}; threads {a.threads}; "
-              f"{'natural' if a.natural else 'fixed'} length; {a.prompts} prompts per step")
-    print("| model | G | budget | rows | generated tokens/step | step (s) | generate | logprob | update | s per 1k tokens |")
+        print(
+            f"load average before: {' '.join(f.read().split()[:3])}; threads {a.threads}; "
+            f"{'natural' if a.natural else 'fixed'} length; {a.prompts} prompts per step"
+        )
+    print(
+        "| model | G | budget | rows | generated tokens/step | step (s) | generate | logprob | update | s per 1k tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     middle = sorted(a.budgets)[len(a.budgets) // 2]
     for size in a.sizes:

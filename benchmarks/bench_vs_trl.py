@@ -27,10 +27,10 @@ shared-prefix forward is measured against the unshared one and against TRL. Long
 
     python benchmarks/bench_vs_trl.py --sizes 10m --modes fixed --context 256 --group 16 --max-new 64
 """
+
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import statistics
@@ -42,30 +42,54 @@ import torch
 from datasets import Dataset
 from hydra import compose, initialize_config_module
 
+from rlkit import parallel
 from rlkit.config import build
 from rlkit.guards import StopSignals, checked_advantages
-from rlkit import parallel
 from rlkit.logprobs import rollout_logprobs
-from rlkit.types import Rollout
-from rlkit.setup import setup
 from rlkit.loop import collect, learn
+from rlkit.setup import setup
+from rlkit.types import Rollout
 
 MODELS: list = []  # every side's models, whose parameters `peak_memory` does not count as activations
 SIZES = {  # the testbed's Qwen2 at two sizes, and a real pretrained model (chat-templated prompts)
-    "1m": ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
-           "model.intermediate_size=384"],
-    "10m": ["model.hidden_size=256", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=4",
-            "model.intermediate_size=1408"],
+    "1m": [
+        "model.hidden_size=128",
+        "model.num_layers=4",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "model.intermediate_size=384",
+    ],
+    "10m": [
+        "model.hidden_size=256",
+        "model.num_layers=8",
+        "model.num_heads=8",
+        "model.num_kv_heads=4",
+        "model.intermediate_size=1408",
+    ],
     "smollm2": ["model=smollm2"],  # SmolLM2-135M-Instruct, Llama architecture
 }
 
 
 def rlkit_state(overrides: list[str], run_dir: str, prompts: int, group: int, max_new: int, fixed: bool):
     """rlkit's run state for the shared settings (no warm start: both sides start from the same random model)."""
-    shared = ["logger=jsonl", "algo=grpo", "advantage.eps=1e-4", "loss.beta=0.04", "optim.lr=1e-5",
-              "optim.warmup_steps=0", "warm_start.steps=0", "eval.every=0", "checkpoint.every=0", "samples_every=0",
-              "steps=100000", "task.n_eval=8", f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
-              f"rollout.max_new_tokens={max_new}", *([f"+engine.min_new_tokens={max_new}"] if fixed else [])]
+    shared = [
+        "logger=jsonl",
+        "algo=grpo",
+        "advantage.eps=1e-4",
+        "loss.beta=0.04",
+        "optim.lr=1e-5",
+        "optim.warmup_steps=0",
+        "warm_start.steps=0",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "samples_every=0",
+        "steps=100000",
+        "task.n_eval=8",
+        f"rollout.prompts_per_step={prompts}",
+        f"rollout.group_size={group}",
+        f"rollout.max_new_tokens={max_new}",
+        *([f"+engine.min_new_tokens={max_new}"] if fixed else []),
+    ]
     with initialize_config_module(config_module="rlkit.conf", version_base=None):
         cfg = compose(config_name="config", overrides=[*shared, *overrides])
     state = setup(cfg, run_dir, {}, stop=StopSignals())
@@ -79,10 +103,13 @@ def with_context(state, chars: int) -> None:
     task, cfg = state.parts.task, state.cfg
     rows = list(task.train)
     solved = "".join(f"{r['prompt']}{r['answer']};" for r in rows[:200])
-    task.train = Dataset.from_list([{**r, "prompt": (solved * 2)[i % 100:i % 100 + chars] + r["prompt"]}
-                                    for i, r in enumerate(rows)])
-    state.parts = dataclasses.replace(state.parts, sampler=build(
-        cfg, "sampler", dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed))
+    task.train = Dataset.from_list(
+        [{**r, "prompt": (solved * 2)[i % 100 : i % 100 + chars] + r["prompt"]} for i, r in enumerate(rows)]
+    )
+    state.parts = dataclasses.replace(
+        state.parts,
+        sampler=build(cfg, "sampler", dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed),
+    )
 
 
 def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
@@ -99,25 +126,51 @@ def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
 
     n = c.rollout.prompts_per_step * c.rollout.group_size
     args = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=n, gradient_accumulation_steps=1,
-        num_generations=c.rollout.group_size, max_completion_length=c.rollout.max_new_tokens, beta=c.loss.beta,
-        epsilon=c.loss.eps_low, epsilon_high=c.loss.eps_high, loss_type="grpo", scale_rewards="group",
-        learning_rate=c.optim.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=c.optim.weight_decay,
-        adam_beta1=c.optim.beta1, adam_beta2=c.optim.beta2, optim="adamw_torch", max_grad_norm=c.optim.max_grad_norm,
-        temperature=c.rollout.temperature, top_p=c.rollout.top_p, top_k=0, use_cpu=state.runtime.device.type == "cpu",
-        bf16=False, report_to=[], logging_steps=10**6, save_strategy="no", max_steps=rounds, seed=c.seed,
-        disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        output_dir=out_dir,
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        num_generations=c.rollout.group_size,
+        max_completion_length=c.rollout.max_new_tokens,
+        beta=c.loss.beta,
+        epsilon=c.loss.eps_low,
+        epsilon_high=c.loss.eps_high,
+        loss_type="grpo",
+        scale_rewards="group",
+        learning_rate=c.optim.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=c.optim.weight_decay,
+        adam_beta1=c.optim.beta1,
+        adam_beta2=c.optim.beta2,
+        optim="adamw_torch",
+        max_grad_norm=c.optim.max_grad_norm,
+        temperature=c.rollout.temperature,
+        top_p=c.rollout.top_p,
+        top_k=0,
+        use_cpu=state.runtime.device.type == "cpu",
+        bf16=False,
+        report_to=[],
+        logging_steps=10**6,
+        save_strategy="no",
+        max_steps=rounds,
+        seed=c.seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
         use_bias_correction_kl=False,  # TRL's default multiplies the KL by the ratio (DeepSeek-V3.2); GRPO's does not
-        generation_kwargs={"min_new_tokens": c.rollout.max_new_tokens} if fixed else None)
+        generation_kwargs={"min_new_tokens": c.rollout.max_new_tokens} if fixed else None,
+    )
     data = Dataset.from_dict({"prompt": list(task.train["prompt"]), "answer": [str(a) for a in task.train["answer"]]})
     model = type(state.parts.policy).from_pretrained(model_dir).to(state.runtime.device)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=state.parts.tokenizer)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=state.parts.tokenizer
+    )
     trainer.current_gradient_accumulation_steps = 1  # set by its training loop; `equal_maths` runs before it
     return trainer
 
 
 # ---- equal maths: one rollout, both sides' advantages, reference log-probs, loss and gradient -------------------------
+
 
 def perturb(models: list[torch.nn.Module], seed: int, scale: float = 0.02) -> None:
     """The same random change to each model's weights, so that policy and reference differ."""
@@ -150,8 +203,9 @@ def equal_maths(state, trainer) -> dict:
     rows = [{"prompt": b["prompt"], "answer": b["answer"]} for b in batch]
     texts = state.parts.tokenizer.batch_decode(cid, skip_special_tokens=True)
     rewards = torch.tensor(length_reward([row["prompt"] for row in rows], texts), device=state.runtime.device)  # [N]
-    r = Rollout(pid, pmask, cid, cmask, cmask.sum(-1) == cid.shape[1], state.cfg.rollout.group_size, rows, texts,
-                rewards)
+    r = Rollout(
+        pid, pmask, cid, cmask, cmask.sum(-1) == cid.shape[1], state.cfg.rollout.group_size, rows, texts, rewards
+    )
     adv, _ = checked_advantages(state.parts.advantage, r, None)  # [N, Tc]
     with torch.no_grad():
         ref = rollout_logprobs(state.parts.ref, r, state.cfg.rollout.temperature)[0]  # [N, Tc]
@@ -165,17 +219,21 @@ def equal_maths(state, trainer) -> dict:
     theirs.backward()
     on = cmask.bool()
     grads = [(p.grad, q.grad) for p, q in zip(state.parts.policy.parameters(), policy.parameters())]
-    out = {"advantage": float((adv[:, 0] - inputs["advantages"]).abs().max()),
-           "reference logp": float((ref - inputs["ref_per_token_logps"])[on].abs().max()),
-           "loss": abs(float(ours.detach()) - float(theirs.detach())),
-           "gradient": max(float((a - b).abs().max()) for a, b in grads),
-           "rows": len(rows), "mean length": float(cmask.sum(-1).float().mean())}
+    out = {
+        "advantage": float((adv[:, 0] - inputs["advantages"]).abs().max()),
+        "reference logp": float((ref - inputs["ref_per_token_logps"])[on].abs().max()),
+        "loss": abs(float(ours.detach()) - float(theirs.detach())),
+        "gradient": max(float((a - b).abs().max()) for a, b in grads),
+        "rows": len(rows),
+        "mean length": float(cmask.sum(-1).float().mean()),
+    }
     state.parts.policy.zero_grad(set_to_none=True)
     policy.zero_grad(set_to_none=True)
     return out
 
 
 # ---- timing -------------------------------------------------------------------------------------------------------
+
 
 @contextmanager
 def peak_memory(device: torch.device, out: list, activations: list):
@@ -206,12 +264,14 @@ def peak_memory(device: torch.device, out: list, activations: list):
 
 def timed(fn, phases: dict, name: str):
     """`fn`, adding its wall time to phases[name] (TRL's methods are wrapped with this)."""
+
     def wrapper(*a, **kw):
         t0 = time.perf_counter()
         try:
             return fn(*a, **kw)
         finally:
             phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
     return wrapper
 
 
@@ -224,6 +284,7 @@ def instrument(trainer) -> dict:
 
     def logps_split(*a, **kw):
         return (logps if torch.is_grad_enabled() else timed(logps, phases, "logprob"))(*a, **kw)
+
     trainer._get_per_token_logps_and_entropies = logps_split
     return phases
 
@@ -237,12 +298,19 @@ class Side:
     def summary(self, warmup: int) -> dict:
         keep = slice(warmup, None)
         steps = self.steps[keep]
-        split = {k: statistics.median(p.get(k, 0.0) for p in self.phases[keep]) for k in
-                 ("generate", "score", "logprob")}
-        split["update"] = statistics.median(s - sum(p.get(k, 0.0) for k in ("generate", "score", "logprob"))
-                                            for s, p in zip(steps, self.phases[keep]))
-        return {"step": statistics.median(steps), "split": split, "peak": max(self.peaks[keep]),
-                "activations": max(self.activations[keep]), "tokens": statistics.mean(self.tokens[keep])}
+        split = {
+            k: statistics.median(p.get(k, 0.0) for p in self.phases[keep]) for k in ("generate", "score", "logprob")
+        }
+        split["update"] = statistics.median(
+            s - sum(p.get(k, 0.0) for k in ("generate", "score", "logprob")) for s, p in zip(steps, self.phases[keep])
+        )
+        return {
+            "step": statistics.median(steps),
+            "split": split,
+            "peak": max(self.peaks[keep]),
+            "activations": max(self.activations[keep]),
+            "tokens": statistics.mean(self.tokens[keep]),
+        }
 
 
 def rlkit_step(state, side: "Side") -> None:
@@ -257,8 +325,17 @@ def rlkit_step(state, side: "Side") -> None:
     side.tokens.append(float(rollout.completion_mask.sum()))
 
 
-def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group: int, max_new: int,
-            extra: list[str] = (), context: int = 0) -> dict:
+def compare(
+    size: str,
+    mode: str,
+    rounds: int,
+    warmup: int,
+    prompts: int,
+    group: int,
+    max_new: int,
+    extra: list[str] = (),
+    context: int = 0,
+) -> dict:
     """TRL, rlkit and rlkit without the shared prefix alternating steps; `context`: long prompts."""
     from transformers import TrainerCallback
 
@@ -267,8 +344,9 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
     extra = [*SIZES.get(size, []), *extra, *positions]
     with tempfile.TemporaryDirectory() as tmp:
         state = rlkit_state(extra, os.path.join(tmp, "rlkit"), prompts, group, max_new, fixed)
-        unshared = rlkit_state([*extra, "optim.share_prefix=never"], os.path.join(tmp, "off"), prompts, group, max_new,
-                               fixed)
+        unshared = rlkit_state(
+            [*extra, "optim.share_prefix=never"], os.path.join(tmp, "off"), prompts, group, max_new, fixed
+        )
         for s in [state, unshared] if context else []:
             with_context(s, context)
         trainer = trl_trainer(state, os.path.join(tmp, "model"), os.path.join(tmp, "trl"), rounds, fixed)
@@ -299,8 +377,17 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
         trainer.add_callback(Alternate())
         trainer.train()
         a, b = ours.summary(warmup), theirs.summary(warmup)
-        res = {"size": size, "params": params, "mode": mode, "check": check, "rlkit": a, "trl": b,
-               "time ratio": a["step"] / b["step"], "memory ratio": a["peak"] / b["peak"], "context": context}
+        res = {
+            "size": size,
+            "params": params,
+            "mode": mode,
+            "check": check,
+            "rlkit": a,
+            "trl": b,
+            "time ratio": a["step"] / b["step"],
+            "memory ratio": a["peak"] / b["peak"],
+            "context": context,
+        }
         c = res["rlkit unshared"] = off.summary(warmup)
         res["sharing"] = {"time": c["step"] / a["step"], "activations": c["activations"] / a["activations"]}
         return res
@@ -309,21 +396,29 @@ def compare(size: str, mode: str, rounds: int, warmup: int, prompts: int, group:
 def report(res: dict) -> None:
     c = res["check"]
     print(f"\n== {res['size']} ({res['params'] / 1e6:.2f}M parameters), {res['mode']} length ==")
-    print(f"equal maths on one rollout ({c['rows']} rows, mean length {c['mean length']:.1f}): max |diff| "
-          f"advantage {c['advantage']:.1e}, reference logp {c['reference logp']:.1e}, loss {c['loss']:.1e}, "
-          f"gradient {c['gradient']:.1e}")
+    print(
+        f"equal maths on one rollout ({c['rows']} rows, mean length {c['mean length']:.1f}): max |diff| "
+        f"advantage {c['advantage']:.1e}, reference logp {c['reference logp']:.1e}, loss {c['loss']:.1e}, "
+        f"gradient {c['gradient']:.1e}"
+    )
     for name in ("rlkit", "rlkit unshared", "trl"):
         if name not in res:
             continue
         s = res[name]
         split = ", ".join(f"{k} {v / s['step']:.0%}" for k, v in s["split"].items())
-        print(f"{name:14s}: step {s['step']:.3f} s (median), peak {s['peak']:.0f} MB, activations "
-              f"{s['activations']:.0f} MB; {split}; {s['tokens']:.0f} generated tokens/step")
-    print(f"ratio rlkit/TRL: time {res['time ratio']:.2f}x, peak memory {res['memory ratio']:.2f}x, activations "
-          f"{res['rlkit']['activations'] / res['trl']['activations']:.2f}x")
+        print(
+            f"{name:14s}: step {s['step']:.3f} s (median), peak {s['peak']:.0f} MB, activations "
+            f"{s['activations']:.0f} MB; {split}; {s['tokens']:.0f} generated tokens/step"
+        )
+    print(
+        f"ratio rlkit/TRL: time {res['time ratio']:.2f}x, peak memory {res['memory ratio']:.2f}x, activations "
+        f"{res['rlkit']['activations'] / res['trl']['activations']:.2f}x"
+    )
     if "sharing" in res:
-        print(f"shared prefix ({res['context']}-character context): unshared/shared rlkit step time "
-              f"{res['sharing']['time']:.2f}x, activations {res['sharing']['activations']:.2f}x")
+        print(
+            f"shared prefix ({res['context']}-character context): unshared/shared rlkit step time "
+            f"{res['sharing']['time']:.2f}x, activations {res['sharing']['activations']:.2f}x"
+        )
 
 
 def main() -> None:
@@ -344,8 +439,19 @@ def main() -> None:
         print(f"load average before: {f.read().split()[:3]}; threads {a.threads}")
     for size in a.sizes:
         for mode in a.modes:
-            report(compare(size, mode, a.rounds, a.warmup, a.prompts, a.group, a.max_new,
-                           [f"threads={a.threads}", *a.rlkit], a.context))
+            report(
+                compare(
+                    size,
+                    mode,
+                    a.rounds,
+                    a.warmup,
+                    a.prompts,
+                    a.group,
+                    a.max_new,
+                    [f"threads={a.threads}", *a.rlkit],
+                    a.context,
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ update tokens/s, model FLOPs utilisation (MFU) and peak memory. Minutes, not hou
 MFU counts 2 FLOPs per parameter per token forward and 6 forward plus backward (the usual dense
 approximation, attention excluded) against `--peak-tflops` (default 989, an H100/H200's dense bf16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ import torch
 from hydra import compose, initialize_config_module
 
 import rlkit.config  # noqa: F401  (registers the config schema)
-from rlkit.setup import setup
 from rlkit.loop import collect, learn
+from rlkit.setup import setup
 
 
 def check(overrides: list[str], steps: int, peak_tflops: float, device: str) -> dict:
@@ -43,11 +44,14 @@ def check(overrides: list[str], steps: int, peak_tflops: float, device: str) -> 
                 gen_s += state.runtime.timer["generate"]
                 update_s += state.runtime.timer["update"] + state.runtime.timer.get("logprob", 0.0)
     flops = 2 * params * gen_tokens + 6 * params * train_tokens
-    out = {"parameters (M)": params / 1e6, "rollout tokens/s": gen_tokens / gen_s,
-           "update tokens/s": train_tokens / update_s}
+    out = {
+        "parameters (M)": params / 1e6,
+        "rollout tokens/s": gen_tokens / gen_s,
+        "update tokens/s": train_tokens / update_s,
+    }
     if device.startswith("cuda"):
         out["MFU"] = flops / (gen_s + update_s) / (peak_tflops * 1e12)
-        out["peak memory (GiB)"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        out["peak memory (GiB)"] = torch.cuda.max_memory_allocated() / 2**30
     return out
 
 
@@ -63,8 +67,14 @@ def main(argv=None) -> None:
         sys.exit("gpu_check: no GPU here (use --device cpu for a dry run)")
     overrides = ["rollout.prompts_per_step=16", "rollout.group_size=8"]
     if a.model:
-        overrides += ["model=pretrained", f"model.path={a.model}", f"model.dtype={a.dtype}", "warm_start.steps=0",
-                      "task=arithmetic", "rollout.max_new_tokens=128"]
+        overrides += [
+            "model=pretrained",
+            f"model.path={a.model}",
+            f"model.dtype={a.dtype}",
+            "warm_start.steps=0",
+            "task=arithmetic",
+            "rollout.max_new_tokens=128",
+        ]
     for k, v in check(overrides, a.steps, a.peak_tflops, a.device).items():
         print(f"{k:>20}: {v:.4g}")
 

@@ -1,2 +1,3 @@
 """rlkit's Hydra config tree; importing it registers the typed schemas."""
+
 import rlkit.config  # noqa: F401

@@ -5,6 +5,7 @@ per-token advantages [N, Tc], or (advantages, returns) when it trains a critic (
 Group estimators read the outcome rewards as a [P, G] matrix (rows of a group are contiguous)
 and copy each completion's advantage to all its tokens.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Each aggregator returns per-token weights W[N, Tc] computed once over the whole 
 batch, and the loss is sum(L * W). A micro-batch's share is sum(L_mb * W_mb), so splitting the
 batch into micro-batches (or ranks) gives exactly the same gradient.
 """
+
 from __future__ import annotations
 
 import torch

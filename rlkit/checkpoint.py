@@ -5,6 +5,7 @@ runs no code from the run directory: the trainer state holds tensors and plain P
 and is read with `weights_only=True`; anything else in it is refused with the file's name.
 `save_run` and `resume` write and restore a whole run (every process's part); `set_aside` moves
 an earlier run's files away when a run starts over in the same directory."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,12 @@ from rlkit.state import Progress, Run
 
 STATE, MANIFEST = "trainer_state.pt", "manifest.json"
 # what checkpoints written before the RNG states were stored as plain data need, and nothing more
-NUMPY_ARRAYS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-                getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct]
+NUMPY_ARRAYS = [
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+    getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct,
+]
 
 
 class UnsafeCheckpoint(ValueError):
@@ -40,9 +45,17 @@ class UnsafeCheckpoint(ValueError):
 def rng_state() -> dict:
     """Every generator's state as tensors and plain Python values (no numpy objects)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -58,8 +71,9 @@ def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def save(run_dir: str | Path, step: int, models: dict, tokenizer, state: dict, keep: int = 2,
-         rng_ranks: list | None = None) -> Path:
+def save(
+    run_dir: str | Path, step: int, models: dict, tokenizer, state: dict, keep: int = 2, rng_ranks: list | None = None
+) -> Path:
     """Write checkpoints/step_XXXXXX atomically; `models` maps a sub-folder name to a function that
     saves into a directory ('policy' is saved with the tokenizer); `rng_ranks` holds every rank's RNG
     state (default: this process's)."""
@@ -116,10 +130,12 @@ def load_state(path: Path) -> dict:
     except pickle.UnpicklingError as e:
         found = re.search(r"(?i)unsupported global:?\s+(?:GLOBAL\s+)?(\S+)", str(e))  # not torch's advice
         what = f"it names {found.group(1)}" if found else "an object rlkit does not allow"
-        raise UnsafeCheckpoint(f"{path / STATE} holds objects other than tensors and plain data, which rlkit "
-                               f"never writes ({what}); "
-                               "refusing to load it, since loading it could run code. Do not load it by other means "
-                               "unless you wrote it yourself") from None
+        raise UnsafeCheckpoint(
+            f"{path / STATE} holds objects other than tensors and plain data, which rlkit "
+            f"never writes ({what}); "
+            "refusing to load it, since loading it could run code. Do not load it by other means "
+            "unless you wrote it yourself"
+        ) from None
 
 
 # ---- a run's checkpoints: save every process's part, resume, or set an earlier run aside ----------------------
@@ -143,12 +159,27 @@ def save_run(run: Run, step: int) -> Path:
         models["critic"] = parts.critic.save
         extra["critic_optimizer"] = parts.critic.state_dict()
     p = run.progress
-    return save(rt.run_dir, step, models, parts.tokenizer,
-                {"optimizer": optimizer, "schedule": parts.schedule.state_dict(), **extra,
-                 "sampler": parts.sampler.state_dict(), "engine": parts.engine.state_dict(),
-                 "loss": parts.loss.state_dict(), "first_eval": p.first_eval, "last_eval": p.last_eval,
-                 "run_id": rt.logger.run_id, "config": resolved(run.cfg), "wall_s": run.wall_s()},
-                keep=run.cfg.checkpoint.keep, rng_ranks=rng_ranks)
+    return save(
+        rt.run_dir,
+        step,
+        models,
+        parts.tokenizer,
+        {
+            "optimizer": optimizer,
+            "schedule": parts.schedule.state_dict(),
+            **extra,
+            "sampler": parts.sampler.state_dict(),
+            "engine": parts.engine.state_dict(),
+            "loss": parts.loss.state_dict(),
+            "first_eval": p.first_eval,
+            "last_eval": p.last_eval,
+            "run_id": rt.logger.run_id,
+            "config": resolved(run.cfg),
+            "wall_s": run.wall_s(),
+        },
+        keep=run.cfg.checkpoint.keep,
+        rng_ranks=rng_ranks,
+    )
 
 
 def resume(run: Run) -> None:
@@ -158,8 +189,9 @@ def resume(run: Run) -> None:
     last = latest(run_dir)
     if last is None:
         if any((Path(run_dir) / "checkpoints").glob("step_*")):
-            raise ConfigError(f"no intact checkpoint in {run_dir}/checkpoints (see above); "
-                              "use checkpoint.resume=false to start over")
+            raise ConfigError(
+                f"no intact checkpoint in {run_dir}/checkpoints (see above); use checkpoint.resume=false to start over"
+            )
         return
     try:
         state = load_state(last)
@@ -175,8 +207,14 @@ def resume(run: Run) -> None:
     parts.engine.load_state_dict(state.get("engine", {}))
     parts.loss.load_state_dict(state.get("loss", {}))
     set_rng_state(state["rng_ranks"][run.runtime.rank % len(state["rng_ranks"])])
-    run.progress = Progress(state["step"], state.get("first_eval") or {}, state.get("last_eval") or {},
-                            state.get("wall_s", 0.0), state["step"] >= run.cfg.steps, state.get("run_id"))
+    run.progress = Progress(
+        state["step"],
+        state.get("first_eval") or {},
+        state.get("last_eval") or {},
+        state.get("wall_s", 0.0),
+        state["step"] >= run.cfg.steps,
+        state.get("run_id"),
+    )
     print(f"rlkit: resuming from {last} (step {state['step']})", file=sys.stderr)
 
 
@@ -190,8 +228,9 @@ def set_aside(run_dir: str, earlier_hydra: dict | None = None) -> Path | None:
     if not old:
         return None
     dest = Path(run_dir, PREVIOUS, time.strftime("%Y%m%d-%H%M%S"))
-    dest = next(d for d in (dest.with_name(f"{dest.name}{'' if i == 0 else f'_{i}'}") for i in range(1000))
-                if not d.exists())
+    dest = next(
+        d for d in (dest.with_name(f"{dest.name}{'' if i == 0 else f'_{i}'}") for i in range(1000)) if not d.exists()
+    )
     dest.mkdir(parents=True)
     for p in old:
         os.replace(p, dest / p.name)

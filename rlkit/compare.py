@@ -1,7 +1,8 @@
 """`rlkit-compare`: group run directories by config keys and write a Markdown table and PNG plots.
 
-    rlkit-compare multirun/2026-11-30/10-00-00 --by algo --metric eval/accuracy --threshold 0.4 --baseline grpo
+rlkit-compare multirun/2026-11-30/10-00-00 --by algo --metric eval/accuracy --threshold 0.4 --baseline grpo
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,21 @@ from collections import defaultdict
 from pathlib import Path
 
 from rlkit import stats
+from rlkit.runs import (  # noqa: F401
+    WARNINGS,
+    Run,
+    aggregate,
+    aggregate_name,
+    differing_keys,
+    finished_only,
+    load_runs,
+    load_wandb_runs,
+    parse_aggregate,
+    warn,
+    x_of,
+)
 from rlkit.stats import mean_ci
-from rlkit.runs import (WARNINGS, Run, aggregate, aggregate_name, differing_keys, finished_only,  # noqa: F401
-                        load_runs, load_wandb_runs, parse_aggregate, warn, x_of)
+
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond
 class BadArgument(ValueError):
@@ -25,15 +38,19 @@ def group_runs(runs: list[Run], by: list[str]) -> dict[tuple, list[Run]]:
     for run in runs:
         missing = [k for k in by if k not in run.keys]
         if missing:
-            raise BadArgument(f"--by: run {run.name} has no key {missing[0]!r}; "
-                              f"choices and config keys are: {', '.join(sorted(run.keys))}")
+            raise BadArgument(
+                f"--by: run {run.name} has no key {missing[0]!r}; "
+                f"choices and config keys are: {', '.join(sorted(run.keys))}"
+            )
         groups[tuple(str(run.keys[k]) for k in by)].append(run)
     for key, members in groups.items():
         differ = differing_keys(members, by)
         if differ:
-            warn(f"group {', '.join(key)} averages runs whose other config keys differ: "
-                 + "; ".join(f"{k} ({', '.join(v)})" for k, v in list(differ.items())[:8])
-                 + f". Add them to --by to separate them (--by {' '.join(by)} {' '.join(list(differ)[:2])})")
+            warn(
+                f"group {', '.join(key)} averages runs whose other config keys differ: "
+                + "; ".join(f"{k} ({', '.join(v)})" for k, v in list(differ.items())[:8])
+                + f". Add them to --by to separate them (--by {' '.join(by)} {' '.join(list(differ)[:2])})"
+            )
     return dict(sorted(groups.items()))
 
 
@@ -45,8 +62,9 @@ def fmt(mean: float, ci: float) -> str:
     return f"{mean:.3f} ± {ci:.3f}" if not math.isnan(ci) else f"{mean:.3f}"
 
 
-def table(groups: dict, by: list[str], metrics: list[str], threshold: float | None, lower: set,
-          spec: str = "final") -> str:
+def table(
+    groups: dict, by: list[str], metrics: list[str], threshold: float | None, lower: set, spec: str = "final"
+) -> str:
     """One row per group: each metric's per-run aggregate (`spec`) and its best value after step 0
     (mean ± 95% CI over runs), steps to the threshold of the first metric, wall time."""
     head = [*by, "runs"]
@@ -67,7 +85,9 @@ def table(groups: dict, by: list[str], metrics: list[str], threshold: float | No
         if threshold is not None:
             hits = [first_reaching(r.history.get(metrics[0], []), threshold, metrics[0] in lower) for r in runs]
             reached = [h for h in hits if h is not None]
-            cells.append(f"{fmt(*mean_ci(reached))} ({len(reached)}/{len(runs)} runs)" if reached else f"never (0/{len(runs)})")
+            cells.append(
+                f"{fmt(*mean_ci(reached))} ({len(reached)}/{len(runs)} runs)" if reached else f"never (0/{len(runs)})"
+            )
         walls = [r.wall_s for r in runs if r.wall_s is not None]
         cells.append(fmt(*mean_ci(walls)) if walls else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
@@ -79,13 +99,16 @@ def smoothed(series: list[tuple[int, float]], k: int) -> list[tuple[int, float]]
     if k <= 1:
         return series
     values = [v for _, v in series]
-    return [(s, sum(values[max(0, i - k + 1):i + 1]) / (i + 1 - max(0, i - k + 1))) for i, (s, _) in enumerate(series)]
+    return [
+        (s, sum(values[max(0, i - k + 1) : i + 1]) / (i + 1 - max(0, i - k + 1))) for i, (s, _) in enumerate(series)
+    ]
 
 
 def curve(runs: list[Run], metric: str, axis: str, smooth: int):
     """Mean and 95% band over runs. By step: at the steps every run logged; by tokens or time: each
     run interpolated onto a common grid up to the shortest run's end.  -> (x, mean, half-width)"""
     import numpy as np
+
     series = [smoothed(r.history.get(metric, []), smooth) for r in runs]
     if not all(series):
         return None
@@ -111,14 +134,18 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
     """Mean of `metric` per group with a shaded 95% band over runs. Up to three groups share one
     panel; more get a panel each, with the other groups' means in grey behind, so bands stay readable."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     curves = {}
     for key, runs in groups.items():
         c = curve(runs, metric, axis, smooth)
         if c is None:
-            print(f"rlkit-compare: {metric}: no step where all {len(runs)} runs of {key} logged it; not drawn",
-                  file=sys.stderr)
+            print(
+                f"rlkit-compare: {metric}: no step where all {len(runs)} runs of {key} logged it; not drawn",
+                file=sys.stderr,
+            )
             continue
         curves[key] = (c, len(runs))
     if not curves:
@@ -127,8 +154,14 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
     panels = list(curves) if len(curves) > 3 else [None]
     cols = min(len(panels), 3)
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols if cols > 1 else 7, 3.6 * rows if rows > 1 else 4.5),
-                             sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(5 * cols if cols > 1 else 7, 3.6 * rows if rows > 1 else 4.5),
+        sharex=True,
+        sharey=True,
+        squeeze=False,
+    )
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes.flat, panels):
         for i, (key, ((x, mean, ci), n)) in enumerate(curves.items()):
@@ -138,11 +171,12 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
                 continue
             colour = colours[i % len(colours)]
             ax.plot(x, mean, color=colour, label=label)
-            ax.fill_between(x, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)], color=colour,
-                            alpha=0.15)
+            ax.fill_between(
+                x, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)], color=colour, alpha=0.15
+            )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel({"step": "step", "tokens": "generated tokens", "time": "wall time (s)"}[axis])
@@ -154,8 +188,16 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
     return True
 
 
-def differences(groups: dict, by: list[str], metrics: list[str], baseline: str, lower: set, spec: str = "final",
-                margins: dict | None = None, alpha: float = 0.05) -> str:
+def differences(
+    groups: dict,
+    by: list[str],
+    metrics: list[str],
+    baseline: str,
+    lower: set,
+    spec: str = "final",
+    margins: dict | None = None,
+    alpha: float = 0.05,
+) -> str:
     """Each group against the baseline group, for each metric's per-run aggregate and best value:
     the difference with its interval, effect size and p-value (paired by seed where possible),
     Holm's adjusted p across every line printed, TOST at a given margin, and from
@@ -170,9 +212,14 @@ def differences(groups: dict, by: list[str], metrics: list[str], baseline: str, 
             continue
         for m in metrics:
             for what in (spec, "best"):
+
                 def values(runs):
-                    return [(r.keys.get("seed", r.name), v) for r in runs
-                            if (v := aggregate(r, m, what, m in lower)) is not None]
+                    return [
+                        (r.keys.get("seed", r.name), v)
+                        for r in runs
+                        if (v := aggregate(r, m, what, m in lower)) is not None
+                    ]
+
                 a, b = values(base), values(groups[key])
                 d = stats.compare(a, b, alpha)
                 rob = stats.robust([v for _, v in a], [v for _, v in b], m in lower, alpha)
@@ -185,7 +232,9 @@ def differences(groups: dict, by: list[str], metrics: list[str], baseline: str, 
             text += f"; Holm-adjusted p = {p_holm:.2g} over {sum(not math.isnan(x) for x in adjusted)} lines"
         if margin is not None and d.n >= 2:
             p_eq = d.tost(margin)
-            text += f"; {'equivalent' if p_eq < alpha else 'not shown equivalent'} within ±{margin:g} (TOST p = {p_eq:.2g})"
+            text += (
+                f"; {'equivalent' if p_eq < alpha else 'not shown equivalent'} within ±{margin:g} (TOST p = {p_eq:.2g})"
+            )
         if rob is not None:
             text += f"; {rob.describe(baseline, name, m in lower)}"
         lines.append(text)
@@ -207,25 +256,47 @@ def parse_margins(items: list[str], metrics: list[str]) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlkit-compare", description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="*", type=Path, help="run or sweep directories (searched for run.json)")
-    p.add_argument("--by", nargs="+", default=["algo"], help="choices (algo, advantage, ...) or config keys (loss.beta)")
+    p.add_argument(
+        "--by", nargs="+", default=["algo"], help="choices (algo, advantage, ...) or config keys (loss.beta)"
+    )
     p.add_argument("--metric", nargs="+", default=["eval/accuracy"], help="metrics to tabulate and plot")
-    p.add_argument("--aggregate", default="final", metavar="SPEC",
-                   help="each run's one number: final, last:K (mean of the last K logged values), auc or "
-                   "auc:tokens (mean height of the curve over steps, or over generated tokens), gain (final minus "
-                   "step 0); 'best' (after step 0) is always shown beside it")
+    p.add_argument(
+        "--aggregate",
+        default="final",
+        metavar="SPEC",
+        help="each run's one number: final, last:K (mean of the last K logged values), auc or "
+        "auc:tokens (mean height of the curve over steps, or over generated tokens), gain (final minus "
+        "step 0); 'best' (after step 0) is always shown beside it",
+    )
     p.add_argument("--threshold", type=float, help="report steps until the first metric reaches this value")
     p.add_argument("--lower", nargs="*", default=[], help="metrics where lower is better")
     p.add_argument("--out", type=Path, help="output directory (default: <first path>/compare)")
     p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs from a wandb project instead of directories")
-    p.add_argument("--baseline", metavar="GROUP", help="compare every other group with this one (e.g. grpo, or "
-                   "'grpo, 0.04' for two --by keys): difference, interval, effect size, p and Holm-adjusted p")
-    p.add_argument("--margin", nargs="*", default=[], metavar="METRIC=X",
-                   help="equivalence margins: with --baseline, TOST says whether each difference lies within ±X")
+    p.add_argument(
+        "--baseline",
+        metavar="GROUP",
+        help="compare every other group with this one (e.g. grpo, or "
+        "'grpo, 0.04' for two --by keys): difference, interval, effect size, p and Holm-adjusted p",
+    )
+    p.add_argument(
+        "--margin",
+        nargs="*",
+        default=[],
+        metavar="METRIC=X",
+        help="equivalence margins: with --baseline, TOST says whether each difference lies within ±X",
+    )
     p.add_argument("--alpha", type=float, default=0.05, help="level of the tests and 1 - coverage of the intervals")
-    p.add_argument("--include-unfinished", action="store_true",
-                   help="keep runs that stopped before their last step (left out, and named, by default)")
-    p.add_argument("--x", choices=["step", "tokens", "time"], default="step",
-                   help="plots' horizontal axis: RL step, generated tokens (kept or not), or wall time")
+    p.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="keep runs that stopped before their last step (left out, and named, by default)",
+    )
+    p.add_argument(
+        "--x",
+        choices=["step", "tokens", "time"],
+        default="step",
+        help="plots' horizontal axis: RL step, generated tokens (kept or not), or wall time",
+    )
     p.add_argument("--smooth", type=int, default=1, metavar="K", help="moving average over K logged values in plots")
     return p
 
@@ -263,16 +334,21 @@ def write(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = table(groups, a.by, a.metric, a.threshold, set(a.lower), a.aggregate)
     if a.baseline:
-        md += f"\nAgainst {a.baseline}:\n\n" + differences(groups, a.by, a.metric, a.baseline, set(a.lower), a.aggregate,
-                                                          parse_margins(a.margin, a.metric), a.alpha)
+        md += f"\nAgainst {a.baseline}:\n\n" + differences(
+            groups, a.by, a.metric, a.baseline, set(a.lower), a.aggregate, parse_margins(a.margin, a.metric), a.alpha
+        )
     images = []
     for m in a.metric:
         png = out / (m.replace("/", "_") + (f"_by_{a.x}" if a.x != "step" else "") + ".png")
         if plot(groups, a.by, m, png, a.x, a.smooth):
             images.append(f"![{m}]({png.name})")
     warnings = "".join(f"- {w}\n" for w in WARNINGS)
-    (out / "compare.md").write_text(f"# {len(runs)} runs by {', '.join(a.by)}\n\n{md}\n"
-                                    + (f"## Warnings\n\n{warnings}\n" if warnings else "") + "\n".join(images) + "\n")
+    (out / "compare.md").write_text(
+        f"# {len(runs)} runs by {', '.join(a.by)}\n\n{md}\n"
+        + (f"## Warnings\n\n{warnings}\n" if warnings else "")
+        + "\n".join(images)
+        + "\n"
+    )
     print(md)
     print(f"wrote {out / 'compare.md'} and {len(images)} plot(s)", file=sys.stderr)
     return 0

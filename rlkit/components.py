@@ -7,6 +7,7 @@ implementation it holds. A component is chosen by a YAML file in the kind's conf
 `_target_` names the class (`_partial_: true` where run-time arguments arrive; they are listed
 under each kind).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Protocol
@@ -21,10 +22,10 @@ class AdvantageEstimator(Protocol):
     `[N, Tc]`, or `(advantages, returns)` `[N, Tc]` each when it trains a critic. `values` are
     the critic's `[N, Tc]` when `needs_critic`."""
 
-    min_group_size: int = 2          # rollout.group_size is checked against it before any model is built
-    needs_critic: bool = False       # the core builds the `critic` component and passes its values
+    min_group_size: int = 2  # rollout.group_size is checked against it before any model is built
+    needs_critic: bool = False  # the core builds the `critic` component and passes its values
     needs_step_rewards: bool = False  # the core scores each reasoning step (rollout.step_rewards, step_mask)
-    data_parallel: bool = True       # exact when each rank sees only its own groups (torchrun)
+    data_parallel: bool = True  # exact when each rank sees only its own groups (torchrun)
 
     def __call__(self, rollout: Rollout, values: torch.Tensor | None = None): ...
 
@@ -42,8 +43,8 @@ class Sampler(Protocol):
     often as it likes and returns the rollout to train on with its own metrics."""
 
     min_group_size: int = 1
-    data_parallel: bool = True       # its choices can be made on each rank's share alone (torchrun)
-    even_shares: bool = True         # every rank always trains on as many rows as the others (a sharded model needs it)
+    data_parallel: bool = True  # its choices can be made on each rank's share alone (torchrun)
+    even_shares: bool = True  # every rank always trains on as many rows as the others (a sharded model needs it)
 
     def sample(self, make_rollout: Callable[[list[dict]], Rollout]) -> tuple[Rollout, dict]: ...
     def state_dict(self) -> dict: ...
@@ -56,15 +57,22 @@ class PolicyLoss(Protocol):
     `train/<name>` without knowing the names. `train_mask(rollout)` is the completion mask the
     aggregator normalises over (a loss may drop rows, e.g. truncated ones)."""
 
-    beta: float = 0.0                # KL coefficient; 0 builds no reference model and runs no reference forward
-    kl_in_reward: bool = False       # True: the core subtracts beta * KL from the per-token reward instead
-    entropy_grad: bool = False       # True: the entropy passed in carries a gradient (an entropy bonus)
-    selects_tokens: bool = False     # True: `token_selection` picks the tokens the policy term acts on
+    beta: float = 0.0  # KL coefficient; 0 builds no reference model and runs no reference forward
+    kl_in_reward: bool = False  # True: the core subtracts beta * KL from the per-token reward instead
+    entropy_grad: bool = False  # True: the entropy passed in carries a gradient (an entropy bonus)
+    selects_tokens: bool = False  # True: `token_selection` picks the tokens the policy term acts on
 
-    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                 ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-                 is_weight: torch.Tensor | None = None, select: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, dict]: ...  # is_weight: the correction's [n, Tc]; select: 0/1 [n, Tc]
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+        is_weight: torch.Tensor | None = None,
+        select: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict]: ...  # is_weight: the correction's [n, Tc]; select: 0/1 [n, Tc]
     def kl_penalty(self, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor: ...  # [N, Tc]
     def train_mask(self, rollout: Rollout) -> torch.Tensor: ...  # [N, Tc]
 
@@ -88,8 +96,14 @@ class Correction(Protocol):
     term by the weights. `behaviour_logp` is the engine's (the trainer's `old_logp` when the
     engine's numbers are the trainer's)."""
 
-    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, dict]: ...
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        behaviour_logp: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict]: ...
 
 
 class Critic(Protocol):
@@ -97,8 +111,9 @@ class Critic(Protocol):
     only when the estimator `needs_critic`."""
 
     def values(self, rollout: Rollout) -> torch.Tensor: ...  # [N, Tc], no gradient
-    def update(self, rollout: Rollout, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor) -> float: ...  # one optimizer step on these rows; returns the value loss
+    def update(
+        self, rollout: Rollout, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+    ) -> float: ...  # one optimizer step on these rows; returns the value loss
     def save(self, path) -> None: ...
     def load(self, path) -> None: ...
     def state_dict(self) -> dict: ...  # optimizer state
@@ -116,8 +131,9 @@ class Engine(Protocol):
 
     exact_logprobs: bool = True
 
-    def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0) -> Generation: ...
+    def generate(
+        self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+    ) -> Generation: ...
     def load_weights(self, policy: torch.nn.Module) -> None: ...
 
     def latest(self) -> "Engine":
@@ -162,9 +178,12 @@ def require(ok: bool, message: str) -> None:
 def check(obj, kind: type, key: str) -> None:
     """Fail naming the config key when `obj` (a class or an instance) lacks what `kind` declares."""
     declared = set(getattr(kind, "__annotations__", {})) | {
-        n for n, v in vars(kind).items() if callable(v) and (not n.startswith("_") or n == "__call__")}
+        n for n, v in vars(kind).items() if callable(v) and (not n.startswith("_") or n == "__call__")
+    }
     missing = sorted(n for n in declared if not hasattr(obj, n))
     if missing:
         name = getattr(obj, "__qualname__", type(obj).__qualname__)
-        raise ConfigError(f"{key}: {name} lacks {', '.join(missing)} (see rlkit.components.{kind.__name__}; "
-                          "subclass it to inherit the defaults)")
+        raise ConfigError(
+            f"{key}: {name} lacks {', '.join(missing)} (see rlkit.components.{kind.__name__}; "
+            "subclass it to inherit the defaults)"
+        )

@@ -1,5 +1,6 @@
 """Typed config schemas (registered with Hydra's ConfigStore) and checks that run before any
 model is built. Each field is documented once, here."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,92 +21,92 @@ from rlkit.tasks.base import TaskError
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 16   # P: prompts (groups) per RL step
-    group_size: int = 8          # G: completions sampled per prompt
-    max_new_tokens: int = 24     # generation budget per completion
-    temperature: float = 1.0     # sampling temperature (log-probs use the same temperature)
-    top_p: float = 1.0           # nucleus sampling mass
+    prompts_per_step: int = 16  # P: prompts (groups) per RL step
+    group_size: int = 8  # G: completions sampled per prompt
+    max_new_tokens: int = 24  # generation budget per completion
+    temperature: float = 1.0  # sampling temperature (log-probs use the same temperature)
+    top_p: float = 1.0  # nucleus sampling mass
 
 
 @dataclass
 class RewardConfig:
-    overlong_cache: int = 0          # DAPO soft overlong punishment over the last k tokens of the budget; 0 = off
+    overlong_cache: int = 0  # DAPO soft overlong punishment over the last k tokens of the budget; 0 = off
     functions: Dict[str, Any] = field(default_factory=dict)  # name -> weighted reward function; {} = the task's reward
-    combine: str = "sum"             # sum (weighted sum) | normalise (z-score each term in its group, then sum)
-    shuffle: str = "none"            # control: none | step (the step's rewards permuted across its completions) |
-                                     # group (each group's rewards permuted among its own completions); true = step
-    timeout_s: float = 60.0          # time limit of one reward call (one completion); past it the run stops naming
-                                     # the row; 0 = no limit
+    combine: str = "sum"  # sum (weighted sum) | normalise (z-score each term in its group, then sum)
+    shuffle: str = "none"  # control: none | step (the step's rewards permuted across its completions) |
+    # group (each group's rewards permuted among its own completions); true = step
+    timeout_s: float = 60.0  # time limit of one reward call (one completion); past it the run stops naming
+    # the row; 0 = no limit
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4                 # AdamW learning rate of the policy
-    warmup_steps: int = 10           # linear learning-rate warm-up over the first RL steps
-    weight_decay: float = 0.0        # AdamW weight decay
-    beta1: float = 0.9               # AdamW beta1
-    beta2: float = 0.99              # AdamW beta2
-    eps: float = 1e-8                # AdamW epsilon; far above a weight's typical gradient it turns Adam into
-                                     # momentum SGD with step lr/eps, whose noise shrinks with the batch
-    max_grad_norm: float = 1.0       # gradient clipping (global norm)
-    epochs: int = 1                  # passes over each rollout
-    mini_batches: int = 1            # optimizer steps per pass (split by groups)
-    micro_batch_size: int = 0        # rows per forward/backward (gradient accumulation); 0 = whole mini-batch.
-                                     # Need not divide the batch: weights are global, the gradient is the same
-    micro_batch_tokens: int = 0      # padded tokens per forward/backward, 0 = no limit; rows of similar length
-                                     # go together and each micro-batch is trimmed to its longest row
-    max_nonfinite: int = 3           # stop after this many updates in a row skipped for NaN/inf
-    share_prefix: str = "auto"       # training forwards compute each distinct prompt of a micro-batch once, its
-                                     # completions attending to it (Llama-family models): auto (where that runs fewer
-                                     # tokens than packing) | always | never
+    lr: float = 1e-4  # AdamW learning rate of the policy
+    warmup_steps: int = 10  # linear learning-rate warm-up over the first RL steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.99  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon; far above a weight's typical gradient it turns Adam into
+    # momentum SGD with step lr/eps, whose noise shrinks with the batch
+    max_grad_norm: float = 1.0  # gradient clipping (global norm)
+    epochs: int = 1  # passes over each rollout
+    mini_batches: int = 1  # optimizer steps per pass (split by groups)
+    micro_batch_size: int = 0  # rows per forward/backward (gradient accumulation); 0 = whole mini-batch.
+    # Need not divide the batch: weights are global, the gradient is the same
+    micro_batch_tokens: int = 0  # padded tokens per forward/backward, 0 = no limit; rows of similar length
+    # go together and each micro-batch is trimmed to its longest row
+    max_nonfinite: int = 3  # stop after this many updates in a row skipped for NaN/inf
+    share_prefix: str = "auto"  # training forwards compute each distinct prompt of a micro-batch once, its
+    # completions attending to it (Llama-family models): auto (where that runs fewer
+    # tokens than packing) | always | never
 
 
 @dataclass
 class WarmStartConfig:
-    steps: int = 120                 # supervised steps on task demonstrations before RL; 0 skips
-    batch_size: int = 64             # demonstrations per step
-    lr: float = 3e-3                 # AdamW learning rate of the warm start
-    seed: int = 0                    # fixed across RL seeds, so seeds share one starting policy
+    steps: int = 120  # supervised steps on task demonstrations before RL; 0 skips
+    batch_size: int = 64  # demonstrations per step
+    lr: float = 3e-3  # AdamW learning rate of the warm start
+    seed: int = 0  # fixed across RL seeds, so seeds share one starting policy
     cache_dir: str = "${oc.env:RLKIT_CACHE,'~/.cache/rlkit'}/warm_start"  # cached by config hash
 
 
 @dataclass
 class EvalConfig:
-    every: int = 25                  # evaluate every k RL steps (and before the first and after the last)
-    batch_size: int = 256            # prompts per greedy generation batch
-    max_new_tokens: int = 0          # 0 = rollout.max_new_tokens
-    samples: int = 0                 # k > 0: also eval/mean@k, k completions per prompt at the rollout temperature
-    seed: int = 0                    # random state of those samples, the same at every evaluation of every run
+    every: int = 25  # evaluate every k RL steps (and before the first and after the last)
+    batch_size: int = 256  # prompts per greedy generation batch
+    max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
+    samples: int = 0  # k > 0: also eval/mean@k, k completions per prompt at the rollout temperature
+    seed: int = 0  # random state of those samples, the same at every evaluation of every run
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 50                  # write a checkpoint every k steps (and at the end); 0 = only at the end
-    keep: int = 2                    # newest checkpoints kept
-    resume: bool = True              # continue from the run directory's last checkpoint if there is one
+    every: int = 50  # write a checkpoint every k steps (and at the end); 0 = only at the end
+    keep: int = 2  # newest checkpoints kept
+    resume: bool = True  # continue from the run directory's last checkpoint if there is one
 
 
 @dataclass
 class RLKitConfig:
-    advantage: Any = None            # advantage estimator (group `advantage`)
-    aggregator: Any = None           # loss aggregator (group `aggregator`)
-    sampler: Any = None              # prompt sampler (group `sampler`)
-    loss: Any = None                 # policy loss, with KL and entropy options (group `loss`)
-    correction: Any = None           # off-policy correction of the policy loss (group `correction`)
-    critic: Any = None               # value model, built only when the estimator needs one (group `critic`)
-    engine: Any = None               # generation engine for training and evaluation (group `engine`)
-    task: Any = None                 # task: data and reward (group `task`)
-    model: Any = None                # policy model (group `model`)
-    logger: Any = None               # metrics sink (group `logger`)
-    seed: int = 0                    # seed of the RL run
-    steps: int = 200                 # RL steps
-    device: str = "cpu"              # torch device
-    parallel: str = "replicate"       # with several processes: replicate (each holds the whole model) | shard (each
-                                     # holds 1/K of the policy's and reference's weights, gradients and optimizer state)
-    threads: int = 0                 # torch CPU threads; 0 = torch's default (in a parallel sweep: cores / jobs)
-    portable: bool = False           # pin ATen, MKL and oneDNN CPU kernels to AVX2, so x86 machines with AVX2 or
-                                     # AVX-512 run the same kernels; give it on the command line (set before torch starts)
-    samples_every: int = 25          # log a table of sample completions every k steps (and at step 1); 0 = off
+    advantage: Any = None  # advantage estimator (group `advantage`)
+    aggregator: Any = None  # loss aggregator (group `aggregator`)
+    sampler: Any = None  # prompt sampler (group `sampler`)
+    loss: Any = None  # policy loss, with KL and entropy options (group `loss`)
+    correction: Any = None  # off-policy correction of the policy loss (group `correction`)
+    critic: Any = None  # value model, built only when the estimator needs one (group `critic`)
+    engine: Any = None  # generation engine for training and evaluation (group `engine`)
+    task: Any = None  # task: data and reward (group `task`)
+    model: Any = None  # policy model (group `model`)
+    logger: Any = None  # metrics sink (group `logger`)
+    seed: int = 0  # seed of the RL run
+    steps: int = 200  # RL steps
+    device: str = "cpu"  # torch device
+    parallel: str = "replicate"  # with several processes: replicate (each holds the whole model) | shard (each
+    # holds 1/K of the policy's and reference's weights, gradients and optimizer state)
+    threads: int = 0  # torch CPU threads; 0 = torch's default (in a parallel sweep: cores / jobs)
+    portable: bool = False  # pin ATen, MKL and oneDNN CPU kernels to AVX2, so x86 machines with AVX2 or
+    # AVX-512 run the same kernels; give it on the command line (set before torch starts)
+    samples_every: int = 25  # log a table of sample completions every k steps (and at step 1); 0 = off
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -121,7 +122,7 @@ def short_dirname(overrides: str, limit: int = 96) -> str:
     """A sweep job's directory name from its overrides, cut with a hash when too long for a file name."""
     if len(overrides) <= limit:
         return overrides
-    return f"{overrides[:limit - 9]}-{hashlib.sha1(overrides.encode()).hexdigest()[:8]}"
+    return f"{overrides[: limit - 9]}-{hashlib.sha1(overrides.encode()).hexdigest()[:8]}"
 
 
 OmegaConf.register_new_resolver("rlkit_dirname", short_dirname, replace=True)
@@ -154,8 +155,13 @@ def options(target: type) -> dict | None:
             continue
         hints = typing.get_type_hints(init)
         sig = inspect.signature(init).parameters.values()
-        params.update({p.name: hints.get(p.name) for p in sig if p.name != "self" and p.kind in
-                       (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in params})
+        params.update(
+            {
+                p.name: hints.get(p.name)
+                for p in sig
+                if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in params
+            }
+        )
         if not any(p.kind == p.VAR_KEYWORD for p in sig):
             return params
     return params if target.__init__ is object.__init__ else None
@@ -225,19 +231,25 @@ def check_values(cfg: DictConfig) -> None:
     require(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
     require(op.eps > 0, f"optim.eps must be > 0, got {op.eps}")
     require(op.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {op.weight_decay}")
-    require(0 <= op.beta1 < 1 and 0 <= op.beta2 < 1, f"optim.beta1 and optim.beta2 must be in [0, 1), got "
-            f"{op.beta1}, {op.beta2}")
+    require(
+        0 <= op.beta1 < 1 and 0 <= op.beta2 < 1,
+        f"optim.beta1 and optim.beta2 must be in [0, 1), got {op.beta1}, {op.beta2}",
+    )
     require(cfg.threads >= 0, f"threads must be >= 0 (0 = torch's default), got {cfg.threads}")
     require(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
     require(op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}")
     require(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")
-    require(1 <= op.mini_batches <= r.prompts_per_step,
-           f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}")
+    require(
+        1 <= op.mini_batches <= r.prompts_per_step,
+        f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}",
+    )
     require(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
     require(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
     require(op.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0, got {op.micro_batch_tokens}")
-    require(op.share_prefix in ("auto", "always", "never"),
-            f"optim.share_prefix must be auto, always or never, got {op.share_prefix!r}")
+    require(
+        op.share_prefix in ("auto", "always", "never"),
+        f"optim.share_prefix must be auto, always or never, got {op.share_prefix!r}",
+    )
     check_run_values(cfg)
 
 
@@ -248,24 +260,34 @@ def shuffle_mode(value) -> str:
 
 def check_run_values(cfg: DictConfig) -> None:
     """Rewards, warm start, evaluation, logging and checkpoints."""
-    require(0 <= cfg.reward.overlong_cache <= cfg.rollout.max_new_tokens,
-           f"reward.overlong_cache must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], "
-           f"got {cfg.reward.overlong_cache}")
-    require(shuffle_mode(cfg.reward.shuffle) in ("none", "step", "group"),
-            f"reward.shuffle must be none, step or group (true = step), got {cfg.reward.shuffle!r}")
-    require(cfg.reward.combine in ("sum", "normalise"),
-           f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}")
+    require(
+        0 <= cfg.reward.overlong_cache <= cfg.rollout.max_new_tokens,
+        f"reward.overlong_cache must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], "
+        f"got {cfg.reward.overlong_cache}",
+    )
+    require(
+        shuffle_mode(cfg.reward.shuffle) in ("none", "step", "group"),
+        f"reward.shuffle must be none, step or group (true = step), got {cfg.reward.shuffle!r}",
+    )
+    require(
+        cfg.reward.combine in ("sum", "normalise"),
+        f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}",
+    )
     require(cfg.reward.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {cfg.reward.timeout_s}")
     ws = cfg.warm_start
     require(ws.steps >= 0, f"warm_start.steps must be >= 0, got {ws.steps}")
-    require(ws.batch_size >= 1 and ws.lr > 0, f"warm_start.batch_size must be >= 1 and warm_start.lr > 0, got "
-            f"{ws.batch_size}, {ws.lr}")
+    require(
+        ws.batch_size >= 1 and ws.lr > 0,
+        f"warm_start.batch_size must be >= 1 and warm_start.lr > 0, got {ws.batch_size}, {ws.lr}",
+    )
     require(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
     require(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
     require(cfg.eval.batch_size >= 1, f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
     require(cfg.eval.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {cfg.eval.samples}")
-    require(not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
-           f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}")
+    require(
+        not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
+        f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}",
+    )
     require(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for g in GROUPS:
         require(cfg[g] is not None, f"no option chosen for group '{g}'")

@@ -10,6 +10,7 @@ rho_t = pi_old(y_t) / mu(y_t). An engine whose numbers are the trainer's gives m
 rho = 1 and every correction below gives weight 1 (and keeps every sequence, for the mask, at
 the first update of a rollout).
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,8 +71,7 @@ class SequenceIS(Correction):
     sequence's true likelihood ratio (TRL's `sequence_truncate` / `sequence_mask`), whose spread
     grows with length. Bounds [0.5, 2] are ours for the geometric mean."""
 
-    def __init__(self, mode: str = "truncate", level: str = "geometric", c_min: float = 0.5,
-                 c_max: float | None = 2.0):
+    def __init__(self, mode: str = "truncate", level: str = "geometric", c_min: float = 0.5, c_max: float | None = 2.0):
         require(mode in ("truncate", "mask"), f"correction.mode must be 'truncate' or 'mask', got {mode!r}")
         require(level in ("geometric", "product"), f"correction.level must be 'geometric' or 'product', got {level!r}")
         _bounds(c_min, c_max)

@@ -1,5 +1,6 @@
 """The value model for estimators that need a critic (PPO + GAE): the policy's architecture with
 a scalar head, started from the policy's weights, its own optimizer and a clipped value loss."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,7 @@ from rlkit.types import Rollout
 
 def build_critic(policy) -> torch.nn.Module:
     # no dropout before the value head (token-classification heads default to 0.1): values are deterministic
-    config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1,
-                                                "classifier_dropout": 0.0})
+    config = policy.config.__class__.from_dict({**policy.config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0})
     critic = AutoModelForTokenClassification.from_config(config)
     critic.base_model.load_state_dict(policy.base_model.state_dict())
     head = critic.get_output_embeddings() if hasattr(critic, "get_output_embeddings") else None
@@ -30,7 +30,7 @@ def token_values(critic, r: Rollout) -> torch.Tensor:
     """V of the state before each completion token (same alignment as the log-probs).  -> [N, Tc]"""
     ids, mask, pos, tc = trimmed_inputs(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
     out = critic(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # [N, S', 1]
-    return F.pad(out[:, -tc - 1:-1, 0].float(), (0, r.completion_ids.shape[1] - tc))  # [N, Tc]
+    return F.pad(out[:, -tc - 1 : -1, 0].float(), (0, r.completion_ids.shape[1] - tc))  # [N, Tc]
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:

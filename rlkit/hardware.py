@@ -1,5 +1,6 @@
 """What decides a run's float rounding (the CPU, the kernels torch, MKL and oneDNN chose for it, the
 versions and threads), recorded in every run.json, and the portable mode that pins those kernels."""
+
 from __future__ import annotations
 
 import os
@@ -19,24 +20,35 @@ PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_C
 def check_portable(portable: bool) -> None:
     pinned = all(os.environ.get(k) == v for k, v in PORTABLE_ENV.items())
     if portable and not (pinned and torch.backends.cpu.get_cpu_capability() == "AVX2"):
-        raise ConfigError(f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels with "
-                          f"{', '.join(f'{k}={os.environ.get(k)}' for k in PORTABLE_ENV)} (the CPU lacks AVX2, or "
-                          f"the pins were not set before torch started: give portable=true on the command line or "
-                          f"set {' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())} in the environment)")
+        raise ConfigError(
+            f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels with "
+            f"{', '.join(f'{k}={os.environ.get(k)}' for k in PORTABLE_ENV)} (the CPU lacks AVX2, or "
+            f"the pins were not set before torch started: give portable=true on the command line or "
+            f"set {' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())} in the environment)"
+        )
 
 
 def kernels() -> dict:
     """The CPU kernels torch runs and the pins set for them: what a cached result depends on."""
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "pins": {k: os.environ[k] for k in PORTABLE_ENV if k in os.environ}}
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "pins": {k: os.environ[k] for k in PORTABLE_ENV if k in os.environ},
+    }
 
 
 def hardware(device: torch.device) -> dict:
     """What decides float rounding: the CPU, the kernels torch chose for it, the versions and threads."""
     info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
-    out = {"cpu": cpu, "machine": platform.machine(), **kernels(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    out = {
+        "cpu": cpu,
+        "machine": platform.machine(),
+        **kernels(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+    }
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     return out

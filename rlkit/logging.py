@@ -1,4 +1,5 @@
 """Metric sinks. `metrics.jsonl` in the run directory is the source of truth; wandb mirrors it."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,14 @@ class JsonlLogger:
     """One JSON line per step in `<run_dir>/metrics.jsonl`, sample completions in `samples.jsonl`.
     `run_info` holds the chosen config options (`choices`) and, in a sweep, the sweep's name."""
 
-    def __init__(self, run_dir: str, run_config: dict, resume_step: int = 0, run_id: str | None = None,
-                 run_info: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        run_config: dict,
+        resume_step: int = 0,
+        run_id: str | None = None,
+        run_info: dict | None = None,
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +68,9 @@ class JsonlLogger:
         self.run_id = None
 
     def log(self, step: int, metrics: dict) -> None:
-        clean = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else str(v)) for k, v in present(metrics).items()}
+        clean = {
+            k: (v if isinstance(v, (int, str)) or math.isfinite(v) else str(v)) for k, v in present(metrics).items()
+        }
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
 
@@ -94,9 +103,19 @@ class WandbLogger(JsonlLogger):
     sweep the group defaults to the sweep's name and the run's name to its overrides; tags name
     the chosen options. If wandb cannot start, training goes on and says so once."""
 
-    def __init__(self, run_dir: str, run_config: dict, resume_step: int = 0, project: str = "rlkit",
-                 mode: str | None = None, group: str | None = None, tags: list | None = None,
-                 name: str | None = None, run_id: str | None = None, run_info: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        run_config: dict,
+        resume_step: int = 0,
+        project: str = "rlkit",
+        mode: str | None = None,
+        group: str | None = None,
+        tags: list | None = None,
+        name: str | None = None,
+        run_id: str | None = None,
+        run_info: dict | None = None,
+    ):
         super().__init__(run_dir, run_config, resume_step)
         info = run_info or {}
         choices = info.get("choices", {})
@@ -106,15 +125,23 @@ class WandbLogger(JsonlLogger):
             import wandb
 
             self.wandb = wandb
-            self.run = wandb.init(project=project, dir=run_dir, config={**flatten(run_config), **choices},
-                                  mode=mode or os.environ.get("WANDB_MODE", "offline"),
-                                  group=group or info.get("sweep"), name=name or info.get("name"),
-                                  tags=list(tags or []) + [f"{k}:{v}" for k, v in choices.items()],
-                                  id=run_id, resume="allow" if run_id else None, reinit="finish_previous")
+            self.run = wandb.init(
+                project=project,
+                dir=run_dir,
+                config={**flatten(run_config), **choices},
+                mode=mode or os.environ.get("WANDB_MODE", "offline"),
+                group=group or info.get("sweep"),
+                name=name or info.get("name"),
+                tags=list(tags or []) + [f"{k}:{v}" for k, v in choices.items()],
+                id=run_id,
+                resume="allow" if run_id else None,
+                reinit="finish_previous",
+            )
             self.run_id = self.run.id
         except Exception as e:  # noqa: BLE001 - any wandb failure must not stop training
-            print(f"rlkit: wandb could not start ({type(e).__name__}: {e}); logging to {self.path} only",
-                  file=sys.stderr)
+            print(
+                f"rlkit: wandb could not start ({type(e).__name__}: {e}); logging to {self.path} only", file=sys.stderr
+            )
 
     def log(self, step: int, metrics: dict) -> None:
         super().log(step, metrics)
@@ -125,8 +152,9 @@ class WandbLogger(JsonlLogger):
         super().log_samples(step, samples)
         if self.run is not None and samples:
             cols = list(samples[0])
-            self.run.log({"samples": self.wandb.Table(columns=cols, data=[[s[c] for c in cols] for s in samples])},
-                         step=step)
+            self.run.log(
+                {"samples": self.wandb.Table(columns=cols, data=[[s[c] for c in cols] for s in samples])}, step=step
+            )
 
     def finish(self) -> None:
         if self.run is not None:

@@ -4,6 +4,7 @@ rows' real tokens side by side, positions restarting at each sequence), or with 
 prompt computed once and its completions attending to it (`shared_hidden`); others on the
 micro-batch trimmed to its longest row (`trimmed_inputs`); logits are computed only where a
 completion token is predicted."""
+
 from __future__ import annotations
 
 import heapq
@@ -13,8 +14,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from rlkit.parallel import is_sharded
 from rlkit.models import AdaptersOff
+from rlkit.parallel import is_sharded
 from rlkit.types import Rollout
 
 LEAN_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -87,9 +88,17 @@ def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
     return ids, mask, positions(mask), tc
 
 
-def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   entropy: str = "none", packed: bool = True, share: str = "never"
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    temperature: float = 1.0,
+    entropy: str = "none",
+    packed: bool = True,
+    share: str = "never",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens. No compute is spent on padding: Llama-family models
     run on packed rows (`packed_hidden`), others on the micro-batch trimmed to its longest row
     (`trimmed_inputs`); logits are computed only where a completion token is predicted and never
@@ -104,8 +113,9 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
         logits = parts[1](hidden).float()  # [K, V]
     else:
         ids, mask, pos, tc = trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                       logits_to_keep=tc + 1).logits[:, :-1].float()  # [N, tc, V]
+        logits = (
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=tc + 1).logits[:, :-1].float()
+        )  # [N, tc, V]
         where = (slice(None), slice(0, tc))
     if temperature not in (0, 1):
         logits = logits / temperature
@@ -162,7 +172,8 @@ def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
     unshared forward (to float rounding).  -> hidden [K, H] and `where` of the K completion tokens"""
     distinct, owner = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, Tp], [n]
     first = torch.zeros(len(distinct), dtype=torch.long, device=owner.device).scatter_(
-        0, owner, torch.arange(len(owner), device=owner.device))  # [U] a row with each prompt (any: they are equal)
+        0, owner, torch.arange(len(owner), device=owner.device)
+    )  # [U] a row with each prompt (any: they are equal)
     p_mask = prompt_mask[first].bool()  # [U, Tp]
     tc = completion_width(completion_mask)
     c_ids, c_mask = completion_ids[:, :tc], completion_mask[:, :tc].bool()  # [n, tc]
@@ -172,8 +183,9 @@ def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
     causal_p = torch.ones(Tp, Tp, dtype=torch.bool, device=dev).tril()
     p_attn = ((causal_p & p_mask[:, None, :]) | torch.eye(Tp, dtype=torch.bool, device=dev))[:, None]  # [U, 1, Tp, Tp]
     causal_c = torch.ones(tc, tc, dtype=torch.bool, device=dev).tril()
-    c_attn = torch.cat([p_mask[owner][:, None, :].expand(-1, tc, -1),
-                        causal_c & c_mask[:, None, :]], -1)[:, None]  # [n, 1, tc, Tp + tc]
+    c_attn = torch.cat([p_mask[owner][:, None, :].expand(-1, tc, -1), causal_c & c_mask[:, None, :]], -1)[
+        :, None
+    ]  # [n, 1, tc, Tp + tc]
     with context:
         xp, xc = body.embed_tokens(distinct), body.embed_tokens(c_ids)  # [U, Tp, H], [n, tc, H]
         rope_p, rope_c = body.rotary_emb(xp, p_pos), body.rotary_emb(xc, c_pos)  # (cos, sin) [., ., hd] each
@@ -181,8 +193,9 @@ def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
             qp, kp, vp = _qkv(layer, xp, rope_p)  # [U, h, Tp, hd], [U, kvh, Tp, hd] x 2
             qc, kc, vc = _qkv(layer, xc, rope_c)  # [n, h, tc, hd], [n, kvh, tc, hd] x 2
             xp = _finish(layer, xp, _attend(layer, qp, kp, vp, p_attn))
-            xc = _finish(layer, xc, _attend(layer, qc, torch.cat([kp[owner], kc], 2), torch.cat([vp[owner], vc], 2),
-                                            c_attn))
+            xc = _finish(
+                layer, xc, _attend(layer, qc, torch.cat([kp[owner], kc], 2), torch.cat([vp[owner], vc], 2), c_attn)
+            )
         xp, xc = body.norm(xp), body.norm(xc)
     where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each
     r, t = where
@@ -230,8 +243,11 @@ def shares_prefix(model, prompt_ids, prompt_mask, completion_mask, mode: str = "
         name = type(base_model(model)).__name__
         if name not in _UNSHARED:
             _UNSHARED.add(name)
-            print(f"rlkit: optim.share_prefix: {name} runs every row's prompt in full (the shared prefix needs a "
-                  "Llama-family model, not sharded)", file=sys.stderr)
+            print(
+                f"rlkit: optim.share_prefix: {name} runs every row's prompt in full (the shared prefix needs a "
+                "Llama-family model, not sharded)",
+                file=sys.stderr,
+            )
         return False
     if mode == "always":
         return True
@@ -243,5 +259,6 @@ def shares_prefix(model, prompt_ids, prompt_mask, completion_mask, mode: str = "
 def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none", share: str = "never"):
     """Log-probs (and entropies) of a rollout's completions; `share` (auto, always, never): each
     distinct prompt computed once (`shared_hidden`, see `shares_prefix`), else the packed forward."""
-    return token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                          temperature, entropy, share=share)
+    return token_logprobs(
+        model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature, entropy, share=share
+    )

@@ -4,6 +4,7 @@ generate, score), `prepare` (reference and old log-probs, critic values, KL in t
 advantages), `update` (epochs x mini-batches x micro-batches) and `measure` (the step's metrics);
 then, when due, the held-out evaluation, the log line and a checkpoint. Each phase takes the parts
 it uses, the runtime and its own sub-config."""
+
 from __future__ import annotations
 
 import json
@@ -19,15 +20,22 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from rlkit import checkpoint, files, parallel
+from rlkit.config import shuffle_mode
 from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
-from rlkit.guards import NonFiniteError, Preempted, RunDirLock, StopSignals, checked_advantages, check_writable, finite
+from rlkit.guards import NonFiniteError, Preempted, RunDirLock, StopSignals, check_writable, checked_advantages, finite
 from rlkit.hardware import check_portable
 from rlkit.logprobs import rollout_logprobs
-from rlkit.metrics import (feature_metrics, mean_or_none, mismatch_metrics, reward_metrics, rollout_metrics, samples,
-                           weight_metrics)
+from rlkit.metrics import (
+    feature_metrics,
+    mean_or_none,
+    mismatch_metrics,
+    reward_metrics,
+    rollout_metrics,
+    samples,
+    weight_metrics,
+)
 from rlkit.rewards import overlong_penalty, score, shuffled, step_reward_matrix
-from rlkit.config import shuffle_mode
 from rlkit.setup import eval_options, setup, validate
 from rlkit.state import Parts, Run, Runtime
 from rlkit.types import Rollout
@@ -75,26 +83,27 @@ class Batch:
     """A scored rollout with everything the update needs, all [N, Tc]."""
 
     rollout: Rollout
-    mask: torch.Tensor                # the loss's training mask
+    mask: torch.Tensor  # the loss's training mask
     adv: torch.Tensor
-    returns: torch.Tensor | None      # critic targets, when the estimator has them
-    old_logp: torch.Tensor | None     # None: the update's own log-probs, detached (one update per rollout)
-    ref_logp: torch.Tensor | None     # None: no reference (beta = 0)
-    old_values: torch.Tensor | None   # None: no critic
+    returns: torch.Tensor | None  # critic targets, when the estimator has them
+    old_logp: torch.Tensor | None  # None: the update's own log-probs, detached (one update per rollout)
+    ref_logp: torch.Tensor | None  # None: no reference (beta = 0)
+    old_values: torch.Tensor | None  # None: no critic
     select: torch.Tensor | None = None  # tokens the policy term acts on (the loss's top-entropy selection); None: all
 
 
 @dataclass
 class UpdateStats:
-    skipped: bool = False                              # a NaN or inf advantage, loss or gradient norm
-    sums: dict = field(default_factory=dict)           # loss statistics summed over tokens
+    skipped: bool = False  # a NaN or inf advantage, loss or gradient norm
+    sums: dict = field(default_factory=dict)  # loss statistics summed over tokens
     tokens: float = 0.0
-    losses: list = field(default_factory=list)         # one per optimizer step
+    losses: list = field(default_factory=list)  # one per optimizer step
     grad_norms: list = field(default_factory=list)
     value_losses: list = field(default_factory=list)
 
 
 # ---- 1. collect: P prompts from the sampler, G completions each from the engine, scored -------------------------
+
 
 def collect(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig) -> tuple[Rollout, dict]:
     """A rollout from the sampler (`R`: the rollout config; `reward`: the reward config), and the
@@ -110,31 +119,45 @@ def collect(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig) -> tup
     if getattr(parts.engine, "lag", None) is not None:  # updates between the sampled weights and the trainer's
         metrics["offpolicy/lag"] = parts.engine.lag
     every = torch.cat([r.rewards for r in generated])  # [N_generated] kept or not
-    return rollout, {**metrics, "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in generated),
-                     "train/reward_all": mean_or_none(every)}
+    return rollout, {
+        **metrics,
+        "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in generated),
+        "train/reward_all": mean_or_none(every),
+    }
 
 
 def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, rows: list[dict]) -> Rollout:
     G = R.group_size
-    rows = [row for row in parallel.shard(rows, rt.rank, rt.parallel.world) for _ in range(G)]  # N rows, groups contiguous
+    rows = [
+        row for row in parallel.shard(rows, rt.rank, rt.parallel.world) for _ in range(G)
+    ]  # N rows, groups contiguous
     with rt.timer("generate"):
         gen = parts.engine.generate([r["prompt"] for r in rows], R.max_new_tokens, R.temperature, R.top_p)
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        rewards, reward_parts = score(parts.task, parts.reward_fns, reward.combine, rows, texts, G,
-                                      reward.timeout_s)  # [N], [N, K]
-        rewards = shuffled(rewards, G, shuffle_mode(reward.shuffle))  # [N] the control: rewards unrelated to completions
-        r = Rollout.from_generation(gen, G, rows=rows, texts=texts, rewards=rewards.to(rt.device),
-                                    reward_parts=reward_parts)
+        rewards, reward_parts = score(
+            parts.task, parts.reward_fns, reward.combine, rows, texts, G, reward.timeout_s
+        )  # [N], [N, K]
+        rewards = shuffled(
+            rewards, G, shuffle_mode(reward.shuffle)
+        )  # [N] the control: rewards unrelated to completions
+        r = Rollout.from_generation(
+            gen, G, rows=rows, texts=texts, rewards=rewards.to(rt.device), reward_parts=reward_parts
+        )
         if reward.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, reward.overlong_cache)  # [N]
         if parts.advantage.needs_step_rewards:
-            r.step_rewards, r.step_mask = step_reward_matrix(parts.task.score_steps(rows, texts, reward.timeout_s),
-                                                             gen.completion_ids, gen.completion_mask, parts.tokenizer)
+            r.step_rewards, r.step_mask = step_reward_matrix(
+                parts.task.score_steps(rows, texts, reward.timeout_s),
+                gen.completion_ids,
+                gen.completion_mask,
+                parts.tokenizer,
+            )
     return r
 
 
 # ---- 2. prepare: forwards needed before the update, then advantages ----------------------------------------------
+
 
 def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollout: Rollout) -> Batch:
     """`O`: the optim config (epochs, mini- and micro-batches); `temperature`: the rollout's."""
@@ -144,10 +167,20 @@ def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollou
     logp = lambda model: lambda r: rollout_logprobs(model, r, temperature, share=share)[0]  # noqa: E731
     # old log-probs come free from the update itself unless the rollout is reused, the KL sits in the
     # reward, the engine's numbers are not the trainer's, or the loss selects tokens by their entropy
-    reuse = (O.epochs == 1 and O.mini_batches == 1 and not loss.kl_in_reward and parts.engine.exact_logprobs
-             and not loss.selects_tokens)
-    old = lambda r: rollout_logprobs(parts.policy, r, temperature, "metric" if loss.selects_tokens else "none",  # noqa: E731
-                                     share=share)
+    reuse = (
+        O.epochs == 1
+        and O.mini_batches == 1
+        and not loss.kl_in_reward
+        and parts.engine.exact_logprobs
+        and not loss.selects_tokens
+    )
+    old = lambda r: rollout_logprobs(
+        parts.policy,
+        r,
+        temperature,
+        "metric" if loss.selects_tokens else "none",  # noqa: E731
+        share=share,
+    )
     with rt.timer("logprob"):
         ref_logp = batched(logp(parts.ref), rollout, rows) if parts.ref is not None else None  # [N, Tc]
         old_logp, entropy = (None, None) if reuse else batched(old, rollout, rows, outputs=2)  # [N, Tc] each
@@ -162,16 +195,20 @@ def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollou
 
 # ---- 3. update: epochs x mini-batches (by groups) x micro-batches; the critic on the same mini-batches ------------
 
+
 def update(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: Batch) -> UpdateStats:
     stats = UpdateStats(skipped=parallel.any_rank(not finite(batch.adv)))
     parts.policy.train()
     with rt.timer("update"):
-        for rows in ([] if stats.skipped else mini_batches(batch.rollout, O.epochs, O.mini_batches)):
+        for rows in [] if stats.skipped else mini_batches(batch.rollout, O.epochs, O.mini_batches):
             if not policy_step(parts, rt, O, temperature, batch, rows, stats):
                 break
             if parts.critic is not None:
-                stats.value_losses.append(parts.critic.update(batch.rollout.select_rows(rows), batch.old_values[rows],
-                                                              batch.returns[rows], batch.mask[rows]))
+                stats.value_losses.append(
+                    parts.critic.update(
+                        batch.rollout.select_rows(rows), batch.old_values[rows], batch.returns[rows], batch.mask[rows]
+                    )
+                )
         if stats.grad_norms:  # the warm-up counts updates, not skipped steps
             parts.schedule.step()
             parts.engine.load_weights(parts.policy)
@@ -185,8 +222,9 @@ def mini_batches(rollout: Rollout, epochs: int, n: int):
         yield from (rollout.group_rows(mb) for mb in groups.chunk(n))
 
 
-def policy_step(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: Batch, rows: torch.Tensor,
-                stats: UpdateStats) -> bool:
+def policy_step(
+    parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: Batch, rows: torch.Tensor, stats: UpdateStats
+) -> bool:
     """One optimizer step on `rows`, accumulated over micro-batches; False (and no step) when the
     loss or the gradient norm is not finite."""
     loss_fn = parts.loss
@@ -196,8 +234,9 @@ def policy_step(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, ba
     for micro in micro_batches(batch.rollout, rows, O.micro_batch_size, O.micro_batch_tokens):
         idx = rows[micro]  # [m]
         r, m, adv = batch.rollout.select_rows(idx), batch.mask[idx], batch.adv[idx]  # [m, Tc] each
-        logp, entropy = rollout_logprobs(parts.policy, r, temperature, "grad" if loss_fn.entropy_grad else "metric",
-                                         share=O.share_prefix)  # [m, Tc] each
+        logp, entropy = rollout_logprobs(
+            parts.policy, r, temperature, "grad" if loss_fn.entropy_grad else "metric", share=O.share_prefix
+        )  # [m, Tc] each
         old = logp.detach() if batch.old_logp is None else batch.old_logp[idx]  # [m, Tc]
         behaviour = old if r.behaviour_logp is None else r.behaviour_logp  # [m, Tc] what the engine sampled with
         is_weight, corrected = parts.correction(logp.detach(), old, behaviour, adv, m)  # [m, Tc]
@@ -237,8 +276,10 @@ def finish_step(parts: Parts, rt: Runtime, max_grad_norm: float, stats: UpdateSt
 
 # ---- 4. measure: the step's metrics -------------------------------------------------------------------------------
 
-def measure(parts: Parts, rt: Runtime, step: int, rollout: Rollout, batch: Batch | None, stats: UpdateStats,
-            metrics: dict) -> dict:
+
+def measure(
+    parts: Parts, rt: Runtime, step: int, rollout: Rollout, batch: Batch | None, stats: UpdateStats, metrics: dict
+) -> dict:
     if stats.skipped:
         metrics["train/nonfinite_skipped"] = 1
         print(f"rlkit: step {step}: non-finite advantage, loss or gradient norm; update skipped", file=sys.stderr)
@@ -250,18 +291,33 @@ def measure(parts: Parts, rt: Runtime, step: int, rollout: Rollout, batch: Batch
         metrics.update(reward_metrics(rollout, list(parts.reward_fns)))
         if rollout.behaviour_logp is not None and batch.old_logp is not None:  # the engine's numbers vs the trainer's
             c = parts.correction  # its bounds, where it has them
-            metrics.update(mismatch_metrics(batch.old_logp, rollout.behaviour_logp, rollout.completion_mask,
-                                            getattr(c, "c_min", 0.5), getattr(c, "c_max", 2.0) or float("inf")))
+            metrics.update(
+                mismatch_metrics(
+                    batch.old_logp,
+                    rollout.behaviour_logp,
+                    rollout.completion_mask,
+                    getattr(c, "c_min", 0.5),
+                    getattr(c, "c_max", 2.0) or float("inf"),
+                )
+            )
     if batch is not None and not stats.skipped:
         weights = parallel.global_weights(parts.aggregator, batch.mask)  # [N, Tc] every rank takes part
         if rollout.num_rows:
             metrics.update(weight_metrics(rollout, batch.adv, weights))
         metrics.update({f"train/{k}": v / max(stats.tokens, 1.0) for k, v in stats.sums.items()})
-        metrics.update({"train/loss": sum(stats.losses) / len(stats.losses),
-                        "train/grad_norm": sum(stats.grad_norms) / len(stats.grad_norms)})
+        metrics.update(
+            {
+                "train/loss": sum(stats.losses) / len(stats.losses),
+                "train/grad_norm": sum(stats.grad_norms) / len(stats.grad_norms),
+            }
+        )
     if stats.value_losses:
-        metrics.update({"train/value_loss": sum(stats.value_losses) / len(stats.value_losses),
-                        "train/explained_variance": explained_variance(batch.old_values, batch.returns, batch.mask)})
+        metrics.update(
+            {
+                "train/value_loss": sum(stats.value_losses) / len(stats.value_losses),
+                "train/explained_variance": explained_variance(batch.old_values, batch.returns, batch.mask),
+            }
+        )
     metrics.update(parts.task.step_metrics())
     metrics.update({f"time/{k}": v for k, v in rt.timer.items()})
     metrics["perf/tokens_per_s"] = float(rollout.completion_mask.sum()) / rt.timer["step"]
@@ -269,6 +325,7 @@ def measure(parts: Parts, rt: Runtime, step: int, rollout: Rollout, batch: Batch
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------------
+
 
 def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
     """Step `n`: the four phases, the held-out evaluation when due, the log line and sample
@@ -281,8 +338,9 @@ def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
         batch, stats = learn(run, rollout) if kept else (None, UpdateStats())
     metrics = measure(parts, rt, n, rollout, batch, stats, metrics)
     if n == cfg.steps or (cfg.eval.every and n % cfg.eval.every == 0):
-        run.progress.last_eval = evaluate(parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg),
-                                          policy=parts.policy)
+        run.progress.last_eval = evaluate(
+            parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg), policy=parts.policy
+        )
         metrics.update(run.progress.last_eval)
     metrics = parallel.mean_metrics(metrics)
     rt.logger.log(n, metrics)  # metrics without a value (None) are left out
@@ -328,15 +386,18 @@ def train(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, 
         bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="rlkit", file=sys.stderr)
         for n in bar:
             metrics, stats = step(run, n)
-            bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}",
-                            acc=f"{run.progress.last_eval['eval/accuracy']:.2f}")
+            bar.set_postfix(
+                reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{run.progress.last_eval['eval/accuracy']:.2f}"
+            )
             stopping = parallel.any_rank(bool(stop.received))  # every rank stops after the same step
             if n == cfg.steps or (cfg.checkpoint.every and n % cfg.checkpoint.every == 0) or stopping:
                 path = checkpoint.save_run(run, n)
             if stopping:
                 run.runtime.logger.finish()
-                raise Preempted(f"stopped by {stop.received or 'a signal to another rank'} after step {n}; "
-                                f"checkpoint {path}; rerun the same command (same hydra.run.dir) to resume")
+                raise Preempted(
+                    f"stopped by {stop.received or 'a signal to another rank'} after step {n}; "
+                    f"checkpoint {path}; rerun the same command (same hydra.run.dir) to resume"
+                )
             run.runtime.guard.record(stats.skipped, n)
         run.runtime.logger.finish()
         return write_summary(run)
@@ -352,9 +413,16 @@ def write_summary(run: Run) -> dict:
     if p.finished_before and path.exists():
         print(f"rlkit: the run in {rt.run_dir} had already finished at step {p.start}; nothing to do", file=sys.stderr)
         return json.loads(path.read_text())
-    summary = {"accuracy_before": p.first_eval["eval/accuracy"], "accuracy_after": p.last_eval["eval/accuracy"],
-               "steps": steps, "wall_s": round(run.wall_s(), 1)}
+    summary = {
+        "accuracy_before": p.first_eval["eval/accuracy"],
+        "accuracy_after": p.last_eval["eval/accuracy"],
+        "steps": steps,
+        "wall_s": round(run.wall_s(), 1),
+    }
     files.write_text(path, json.dumps(summary, indent=1))
-    print(f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
-          f"in {summary['wall_s']:.0f}s over {steps} steps ({rt.run_dir})", file=sys.stderr)
+    print(
+        f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
+        f"in {summary['wall_s']:.0f}s over {steps} steps ({rt.run_dir})",
+        file=sys.stderr,
+    )
     return summary

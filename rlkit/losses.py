@@ -6,6 +6,7 @@ surrogate. PPO's clipped surrogate is GRPO's; GSPO, CISPO, SAPO, GMPO and VESPO 
 importance ratio enters; Clip-Cov and KL-Cov act on the tokens whose advantage and log-probability
 covary most. LUSPO is GSPO with `aggregator=seq_mean_token_sum` (`algo=luspo`).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     if kind == "k1":
         return log_ratio
     if kind == "k2":
-        return 0.5 * log_ratio ** 2
+        return 0.5 * log_ratio**2
     if kind == "k3":
         return torch.expm1(-log_ratio) + log_ratio  # exp(-x) - 1 + x without the rounding that dips below 0
     raise ValueError(f"loss.kl_estimator must be one of k1, k2, k3, got {kind!r}")
@@ -35,8 +36,14 @@ def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float,
-                      eps_high: float, dual_clip: float | None = None) -> tuple[torch.Tensor, dict]:
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """-min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A); with `dual_clip` c > 1, a negative-
     advantage token's loss is also capped at -c*A (Ye et al. 2020, arXiv 1912.09729)."""
     ratio = torch.exp(logp - old_logp)  # [N, Tc]
@@ -44,8 +51,11 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)  # [N, Tc]
     with torch.no_grad():
-        stats = {"clip_frac_low": (ratio < 1 - eps_low) & (adv < 0), "clip_frac_high": (ratio > 1 + eps_high) & (adv > 0),
-                 "ratio_dev": (ratio - 1).abs()}
+        stats = {
+            "clip_frac_low": (ratio < 1 - eps_low) & (adv < 0),
+            "clip_frac_high": (ratio > 1 + eps_high) & (adv > 0),
+            "ratio_dev": (ratio - 1).abs(),
+        }
     return loss, stats
 
 
@@ -74,10 +84,20 @@ class Regularised(PolicyLoss):
     otherwise, within [entropy_coef_min, entropy_coef_max]; it applies only while the last mean
     entropy was <= target, and starts at `entropy_coef`."""
 
-    def __init__(self, beta: float = 0.0, kl_estimator: str = "k3", kl_placement: str = "loss",
-                 entropy_coef: float = 0.0, drop_truncated: bool = False, kl_is_weighted: bool = False,
-                 top_entropy_quantile: float = 1.0, entropy_target: float | None = None,
-                 entropy_coef_delta: float = 0.005, entropy_coef_min: float = 0.0, entropy_coef_max: float = 1.0):
+    def __init__(
+        self,
+        beta: float = 0.0,
+        kl_estimator: str = "k3",
+        kl_placement: str = "loss",
+        entropy_coef: float = 0.0,
+        drop_truncated: bool = False,
+        kl_is_weighted: bool = False,
+        top_entropy_quantile: float = 1.0,
+        entropy_target: float | None = None,
+        entropy_coef_delta: float = 0.005,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+    ):
         if beta < 0:
             raise ValueError(f"loss.beta must be >= 0, got {beta}")
         if kl_estimator not in ("k1", "k2", "k3"):
@@ -87,8 +107,10 @@ class Regularised(PolicyLoss):
         if not 0 < top_entropy_quantile <= 1:
             raise ValueError(f"loss.top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
         if not 0 <= entropy_coef_min <= entropy_coef_max or entropy_coef_delta < 0:
-            raise ValueError("loss.entropy_coef_min <= loss.entropy_coef_max and loss.entropy_coef_delta >= 0 needed, "
-                             f"got {entropy_coef_min}, {entropy_coef_max}, {entropy_coef_delta}")
+            raise ValueError(
+                "loss.entropy_coef_min <= loss.entropy_coef_max and loss.entropy_coef_delta >= 0 needed, "
+                f"got {entropy_coef_min}, {entropy_coef_max}, {entropy_coef_delta}"
+            )
         self.beta, self.kl_estimator, self.entropy_coef = beta, kl_estimator, entropy_coef
         self.kl_in_reward = beta > 0 and kl_placement == "reward"
         self.entropy_grad = entropy_coef != 0 or entropy_target is not None
@@ -105,8 +127,9 @@ class Regularised(PolicyLoss):
         loss, stats = self.surrogate(logp, old_logp, adv, mask)  # [n, Tc]
         return (loss if is_weight is None else loss * is_weight), stats
 
-    def __call__(self, logp, old_logp, adv, mask, ref_logp=None, entropy=None, is_weight=None,
-                 select=None) -> tuple[torch.Tensor, dict]:
+    def __call__(
+        self, logp, old_logp, adv, mask, ref_logp=None, entropy=None, is_weight=None, select=None
+    ) -> tuple[torch.Tensor, dict]:
         """`is_weight` [n, Tc]: the correction's weights; `select` [n, Tc]: the tokens the policy term
         and the entropy bonus act on (top-entropy selection); None: all."""
         loss, stats = self.weighted_surrogate(logp, old_logp, adv, mask, is_weight)  # [n, Tc]
@@ -209,8 +232,11 @@ class CISPO(Regularised):
     def surrogate(self, logp, old_logp, adv, mask):
         ratio = torch.exp(logp - old_logp).detach()  # [n, Tc]
         weight = ratio.clamp(max(1 - self.eps_low, 0.0), 1 + self.eps_high)  # [n, Tc]
-        stats = {"clip_frac_low": ratio < 1 - self.eps_low, "clip_frac_high": ratio > 1 + self.eps_high,
-                 "ratio_dev": (ratio - 1).abs()}
+        stats = {
+            "clip_frac_low": ratio < 1 - self.eps_low,
+            "clip_frac_high": ratio > 1 + self.eps_high,
+            "ratio_dev": (ratio - 1).abs(),
+        }
         return -weight * adv * logp, stats  # [n, Tc]
 
 
@@ -242,8 +268,9 @@ class VESPO(Regularised):
     = (k_pos, lambda_pos) for A >= 0, (k_neg, lambda_neg) otherwise; log-ratios clamped to
     [-20, 20] and log w to [log 1e-8, 20] as TRL. Pair with `aggregator=token_mean` (TRL's)."""
 
-    def __init__(self, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
-                 **regularise):
+    def __init__(
+        self, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0, **regularise
+    ):
         super().__init__(**regularise)
         self.k_pos, self.lambda_pos, self.k_neg, self.lambda_neg = k_pos, lambda_pos, k_neg, lambda_neg
 
@@ -284,8 +311,11 @@ class GMPO(Regularised):
         kept = sign * torch.min(sign * log_ratio, sign * clamped)  # [n, Tc]
         ratio = torch.exp(seq_mean(kept, mask))  # [n, 1]
         clipped = (log_ratio != clamped).detach()
-        stats = {"clip_frac_low": clipped & (adv < 0), "clip_frac_high": clipped & (adv > 0),
-                 "ratio_dev": (ratio.detach() - 1).abs().expand_as(mask)}
+        stats = {
+            "clip_frac_low": clipped & (adv < 0),
+            "clip_frac_high": clipped & (adv > 0),
+            "ratio_dev": (ratio.detach() - 1).abs().expand_as(mask),
+        }
         return (-seq_mean(adv, mask) * ratio).expand_as(mask) * mask, stats  # [n, Tc]
 
 
@@ -304,12 +334,13 @@ class ClipCov(PPOClip):
     slows the entropy collapse those high-covariance tokens drive. Like verl, the covariance and
     the selection are computed over the tokens of one forward (the micro-batch)."""
 
-    def __init__(self, clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
-                 **ppo):
+    def __init__(self, clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, **ppo):
         super().__init__(**ppo)
         if not 0 < clip_cov_ratio <= 1 or clip_cov_lb >= clip_cov_ub:
-            raise ValueError(f"loss.clip_cov_ratio must be in (0, 1] and clip_cov_lb < clip_cov_ub, got "
-                             f"{clip_cov_ratio}, {clip_cov_lb}, {clip_cov_ub}")
+            raise ValueError(
+                f"loss.clip_cov_ratio must be in (0, 1] and clip_cov_lb < clip_cov_ub, got "
+                f"{clip_cov_ratio}, {clip_cov_lb}, {clip_cov_ub}"
+            )
         self.ratio, self.lb, self.ub = clip_cov_ratio, clip_cov_lb, clip_cov_ub
 
     def surrogate(self, logp, old_logp, adv, mask):
@@ -333,7 +364,9 @@ class KLCov(Regularised):
     def __init__(self, kl_cov_ratio: float = 2e-4, kl_coef: float = 1.0, **regularise):
         super().__init__(**regularise)
         if not 0 < kl_cov_ratio <= 1 or kl_coef < 0:
-            raise ValueError(f"loss.kl_cov_ratio must be in (0, 1] and loss.kl_coef >= 0, got {kl_cov_ratio}, {kl_coef}")
+            raise ValueError(
+                f"loss.kl_cov_ratio must be in (0, 1] and loss.kl_coef >= 0, got {kl_cov_ratio}, {kl_coef}"
+            )
         self.ratio, self.kl_coef = kl_cov_ratio, kl_coef
 
     def surrogate(self, logp, old_logp, adv, mask):

@@ -1,6 +1,7 @@
 """Per-step rollout statistics (what the variant studies compare). A statistic of an empty subset
 (the length of correct answers on a step with none) is missing, None, never 0: loggers leave it
 out, so means over steps and "final" values never mix lengths with zeros."""
+
 from __future__ import annotations
 
 import torch
@@ -90,7 +91,9 @@ def feature_metrics(task, rows: list[dict], texts: list[str], prefix: str, hard:
     for name in feats[0]:
         v = torch.tensor([float(f[name]) for f in feats])  # [N]
         key = f"{prefix}/{name}"
-        out.update({key: mean_or_none(v), **by_difficulty(rows, v, key), **(hardest_third(rows, v, key) if hard else {})})
+        out.update(
+            {key: mean_or_none(v), **by_difficulty(rows, v, key), **(hardest_third(rows, v, key) if hard else {})}
+        )
     return out
 
 
@@ -107,9 +110,13 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
     per_token = lambda rows: mean_or_none(eff[rows][mask[rows]].abs())  # noqa: E731
     magnitude = eff.abs().sum(-1)  # [N]
     share = lambda x: float(x.sum() / magnitude.sum()) if magnitude.sum() > 0 else None  # noqa: E731
-    return {"weight/correct_sum": float(per_seq[correct].sum()), "weight/incorrect_sum": float(per_seq[~correct].sum()),
-            "weight/short_token_mean": per_token(short), "weight/long_token_mean": per_token(~short),
-            **by_difficulty(r.rows, magnitude, "weight/share", share)}
+    return {
+        "weight/correct_sum": float(per_seq[correct].sum()),
+        "weight/incorrect_sum": float(per_seq[~correct].sum()),
+        "weight/short_token_mean": per_token(short),
+        "weight/long_token_mean": per_token(~short),
+        **by_difficulty(r.rows, magnitude, "weight/share", share),
+    }
 
 
 def samples(r: Rollout, adv: torch.Tensor, per_group: int = 2, groups: int = 8) -> list[dict]:
@@ -117,13 +124,21 @@ def samples(r: Rollout, adv: torch.Tensor, per_group: int = 2, groups: int = 8) 
     mask = r.completion_mask.bool()  # [N, Tc]
     seq_adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
     rows = [g * r.group_size + i for g in range(min(groups, r.num_groups)) for i in range(min(per_group, r.group_size))]
-    return [{"prompt": r.rows[i]["prompt"], "completion": r.texts[i], "reward": float(r.rewards[i] + r.shaping[i]),
-             "advantage": float(seq_adv[i])} for i in rows]
+    return [
+        {
+            "prompt": r.rows[i]["prompt"],
+            "completion": r.texts[i],
+            "reward": float(r.rewards[i] + r.shaping[i]),
+            "advantage": float(seq_adv[i]),
+        }
+        for i in rows
+    ]
 
 
 @torch.no_grad()
-def mismatch_metrics(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, c_min: float = 0.5,
-                     c_max: float = 2.0) -> dict:
+def mismatch_metrics(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, c_min: float = 0.5, c_max: float = 2.0
+) -> dict:
     """How far the engine's sampling distribution mu is from the trainer's pi_old on the sampled
     tokens: k3 estimate of KL(mu || pi_old) (r - 1 - log r with r = pi_old/mu, samples from mu),
     the ratio's mean, min and max, the mean |log r|, and the share of tokens with r outside
@@ -134,7 +149,11 @@ def mismatch_metrics(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask:
     if not len(log_r):
         return {}
     r = torch.exp(log_r)
-    return {"offpolicy/k3": float((torch.expm1(log_r) - log_r).mean()), "offpolicy/ratio_mean": float(r.mean()),
-            "offpolicy/ratio_min": float(r.min()), "offpolicy/ratio_max": float(r.max()),
-            "offpolicy/abs_log_ratio": float(log_r.abs().mean()),
-            "offpolicy/outside_frac": float(((r < c_min) | (r > c_max)).float().mean())}
+    return {
+        "offpolicy/k3": float((torch.expm1(log_r) - log_r).mean()),
+        "offpolicy/ratio_mean": float(r.mean()),
+        "offpolicy/ratio_min": float(r.min()),
+        "offpolicy/ratio_max": float(r.max()),
+        "offpolicy/abs_log_ratio": float(log_r.abs().mean()),
+        "offpolicy/outside_frac": float(((r < c_min) | (r > c_max)).float().mean()),
+    }

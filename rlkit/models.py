@@ -1,6 +1,7 @@
 """Policy models and tokenizers (config group `model`): a tiny built-in Qwen2 with a character
 tokenizer, or any Hugging Face causal LM by path or hub id, optionally with LoRA adapters (peft).
 A model component builds the policy, its frozen reference, and loads saved weights back."""
+
 from __future__ import annotations
 
 import copy
@@ -9,8 +10,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from rlkit import gguf
 from rlkit.components import ConfigError, Model
@@ -25,8 +32,14 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
 
 
 class FullModel(Model):
@@ -46,22 +59,42 @@ class TinyQwen2(FullModel):
     """A Qwen2-architecture causal LM of about 1M parameters built from a config (no download),
     with a character tokenizer over the task's alphabet."""
 
-    def __init__(self, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
-                 num_kv_heads: int = 2, intermediate_size: int = 384, max_position_embeddings: int = 128):
+    def __init__(
+        self,
+        hidden_size: int = 128,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        intermediate_size: int = 384,
+        max_position_embeddings: int = 128,
+    ):
         if min(hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings) < 1:
             raise ValueError("model sizes must all be >= 1")
         if hidden_size % num_heads or (hidden_size // num_heads) % 2 or num_heads % num_kv_heads:
-            raise ValueError(f"model.hidden_size={hidden_size} must split into model.num_heads={num_heads} heads of "
-                             f"even size, and num_heads must be a multiple of model.num_kv_heads={num_kv_heads}")
-        self.kwargs = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                           num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-                           max_position_embeddings=max_position_embeddings)
+            raise ValueError(
+                f"model.hidden_size={hidden_size} must split into model.num_heads={num_heads} heads of "
+                f"even size, and num_heads must be a multiple of model.num_kv_heads={num_kv_heads}"
+            )
+        self.kwargs = dict(
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings,
+        )
 
     def build(self, alphabet: str, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
         tokenizer = char_tokenizer(alphabet)
-        config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             use_sliding_window=False, **self.kwargs)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            use_sliding_window=False,
+            **self.kwargs,
+        )
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config), tokenizer
 
@@ -73,10 +106,19 @@ class Pretrained(FullModel):
     reference is the same model with its adapters disabled (no second copy in memory), and
     checkpoints hold the adapters. `gradient_checkpointing` trades compute for memory."""
 
-    def __init__(self, path: str, dtype: str = "float32", chat_template: bool = True, lora_r: int = 0,
-                 lora_alpha: int = 16, lora_dropout: float = 0.0, lora_targets: str | list = "all-linear",
-                 gradient_checkpointing: bool = False, gguf_file: str | None = None,
-                 cache_dir: str = "~/.cache/rlkit/models"):
+    def __init__(
+        self,
+        path: str,
+        dtype: str = "float32",
+        chat_template: bool = True,
+        lora_r: int = 0,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        lora_targets: str | list = "all-linear",
+        gradient_checkpointing: bool = False,
+        gguf_file: str | None = None,
+        cache_dir: str = "~/.cache/rlkit/models",
+    ):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"model.dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}")
         if lora_r < 0:
@@ -99,8 +141,10 @@ class Pretrained(FullModel):
     def build(self, alphabet: str, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
         self.path = self.source()
         if os.path.isdir(self.path) and not any(os.path.exists(os.path.join(self.path, f)) for f in TOKENIZER_FILES):
-            raise ConfigError(f"model.path={self.path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
-                              "save the tokenizer next to the weights (tokenizer.save_pretrained)")
+            raise ConfigError(
+                f"model.path={self.path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                "save the tokenizer next to the weights (tokenizer.save_pretrained)"
+            )
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.path)
             model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
@@ -115,14 +159,18 @@ class Pretrained(FullModel):
             model.gradient_checkpointing_enable()
         if self.lora["r"]:
             from peft import LoraConfig, get_peft_model
+
             torch.manual_seed(seed)
             try:
                 model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **self.lora))
             except ValueError as e:  # peft's NoMatchingPeftModuleError and friends
-                linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                                 if isinstance(m, torch.nn.Linear)})
-                raise ConfigError(f"model.lora_targets={self.lora['target_modules']!r} cannot be applied to "
-                                  f"{self.path!r} ({e}); its linear modules are named {linear}") from None
+                linear = sorted(
+                    {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+                )
+                raise ConfigError(
+                    f"model.lora_targets={self.lora['target_modules']!r} cannot be applied to "
+                    f"{self.path!r} ({e}); its linear modules are named {linear}"
+                ) from None
         return model, tokenizer
 
     def reference(self, policy: torch.nn.Module) -> torch.nn.Module:
@@ -133,13 +181,15 @@ class Pretrained(FullModel):
             return super().load(policy, path)
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
+
         set_peft_model_state_dict(policy, load_file(str(path / "adapter_model.safetensors")))
 
     def format_prompt(self, tokenizer, prompt: str) -> str:
         if not self.chat_template or not getattr(tokenizer, "chat_template", None):
             return prompt
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
 
 
 class PackagedGGUF(Pretrained):

@@ -1,5 +1,6 @@
 """Reward terms and reward shaping: weighted reward functions (group `rewards`), how they combine,
 and DAPO's overlong punishment, which any run can switch on."""
+
 from __future__ import annotations
 
 import re
@@ -71,14 +72,14 @@ def combine(parts: torch.Tensor, weights: list[float], group_size: int, mode: st
     raise ValueError(f"reward.combine must be 'sum' or 'normalise', got {mode!r}")
 
 
-def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], group_size: int,
-          timeout_s: float = 0):
+def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], group_size: int, timeout_s: float = 0):
     """Rewards of N completions: the task's own, or the reward functions' terms combined as `mode`
     says; each call limited to `timeout_s` seconds.  -> rewards [N], terms [N, K] (None without functions)"""
     if not functions:
         return task.score(rows, texts, timeout_s=timeout_s), None
-    parts = torch.stack([task.score(rows, texts, partial(fn, task=task), name, timeout_s)
-                         for name, fn in functions.items()], 1)  # [N, K]
+    parts = torch.stack(
+        [task.score(rows, texts, partial(fn, task=task), name, timeout_s) for name, fn in functions.items()], 1
+    )  # [N, K]
     return combine(parts, [fn.weight for fn in functions.values()], group_size, mode), parts
 
 
@@ -95,8 +96,9 @@ def shuffled(rewards: torch.Tensor, group_size: int, mode: str) -> torch.Tensor:
     return rewards
 
 
-def step_reward_matrix(step_rewards: list[list[tuple[int, float]]], completion_ids: torch.Tensor,
-                       completion_mask: torch.Tensor, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+def step_reward_matrix(
+    step_rewards: list[list[tuple[int, float]]], completion_ids: torch.Tensor, completion_mask: torch.Tensor, tokenizer
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Place each step's reward on the token where the step's text ends.
     Returns rewards [N, Tc] and a step mask [N, Tc]."""
     N, T = completion_ids.shape

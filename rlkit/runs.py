@@ -1,6 +1,7 @@
 """Runs as the analysis sees them: loaded from run directories (or wandb), checked, and reduced to
 one number each (a per-run aggregate) for rlkit-compare and rlkit-study. Nothing is dropped or
 changed without a warning that says what was used instead."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,12 @@ INCIDENTAL = ("seed", "warm_start.cache_dir", "threads", "logger", "hydra", "run
 @dataclass
 class Run:
     name: str
-    keys: dict                                   # chosen options and flattened config
+    keys: dict  # chosen options and flattened config
     history: dict = field(default_factory=dict)  # metric -> list of (step, value), finite values only
     wall_s: float | None = None
-    finished: bool = True                        # summary.json written (the run reached its last step)
+    finished: bool = True  # summary.json written (the run reached its last step)
     nonfinite: dict = field(default_factory=dict)  # metric -> steps where it was logged as nan or inf
-    warned: set = field(default_factory=set)     # metrics whose non-finite steps were already named
+    warned: set = field(default_factory=set)  # metrics whose non-finite steps were already named
 
     @property
     def last_step(self) -> int:
@@ -67,12 +68,15 @@ def from_rows(name: str, keys: dict, rows: list[dict], finished: bool = True, wa
 
 def load_run(d: Path, name: str) -> Run:
     from rlkit.logging import flatten, read_jsonl
+
     meta = json.loads((d / "run.json").read_text())
     rows = read_jsonl(d / "metrics.jsonl")
     repeated = sorted(s for s, n in Counter(r["step"] for r in rows).items() if n > 1)
     if repeated:
-        warn(f"{d / 'metrics.jsonl'} has step {repeated[0]} more than once (two runs in one directory?); keeping "
-             "the last")
+        warn(
+            f"{d / 'metrics.jsonl'} has step {repeated[0]} more than once (two runs in one directory?); keeping "
+            "the last"
+        )
     summary = d / "summary.json"
     wall = json.loads(summary.read_text()).get("wall_s") if summary.exists() else None
     return from_rows(name, {**flatten(meta["config"]), **meta["choices"]}, rows, summary.exists(), wall)
@@ -80,16 +84,23 @@ def load_run(d: Path, name: str) -> Run:
 
 def load_runs(root: Path) -> list[Run]:
     """Every directory under `root` holding run.json and metrics.jsonl."""
-    return [load_run(info.parent, str(info.parent.relative_to(root)) if info.parent != root else root.name)
-            for info in sorted(root.rglob("run.json")) if (info.parent / "metrics.jsonl").exists()]
+    return [
+        load_run(info.parent, str(info.parent.relative_to(root)) if info.parent != root else root.name)
+        for info in sorted(root.rglob("run.json"))
+        if (info.parent / "metrics.jsonl").exists()
+    ]
 
 
 def load_wandb_runs(project: str) -> list[Run]:
     """Runs of a wandb project ("entity/project") through wandb's public API (needs a server)."""
     import wandb
+
     runs = []
     for r in wandb.Api().runs(project):
-        rows = [{"step": row["_step"], **{k: v for k, v in row.items() if not k.startswith("_")}} for row in r.scan_history()]
+        rows = [
+            {"step": row["_step"], **{k: v for k, v in row.items() if not k.startswith("_")}}
+            for row in r.scan_history()
+        ]
         runs.append(from_rows(r.name, dict(r.config), rows, r.state == "finished", r.summary.get("_runtime")))
     return runs
 
@@ -99,9 +110,14 @@ def finished_only(runs: list[Run], include_unfinished: bool = False) -> list[Run
     for r in runs:
         if not r.finished:
             planned = r.keys.get("steps", "?")
-            warn(f"run {r.name} stopped at step {r.last_step} of {planned} (no summary.json); "
-                 + ("kept, as --include-unfinished asks" if include_unfinished else
-                    "left out (--include-unfinished keeps it)"))
+            warn(
+                f"run {r.name} stopped at step {r.last_step} of {planned} (no summary.json); "
+                + (
+                    "kept, as --include-unfinished asks"
+                    if include_unfinished
+                    else "left out (--include-unfinished keeps it)"
+                )
+            )
     return runs if include_unfinished else [r for r in runs if r.finished]
 
 
@@ -131,6 +147,7 @@ def x_of(run: Run, axis: str) -> dict:
 
 # ---- per-run aggregates: one number per run ------------------------------------------------------------------------
 
+
 def parse_aggregate(spec: str) -> tuple[str, int | str]:
     """'final', 'last:K' (mean of the last K logged values), 'auc' or 'auc:tokens' (mean height of
     the curve over steps, or over generated tokens), 'best' (best value after step 0) or 'gain' /
@@ -148,8 +165,13 @@ def parse_aggregate(spec: str) -> tuple[str, int | str]:
 
 def aggregate_name(spec: str) -> str:
     kind, k = parse_aggregate(spec)
-    return {"final": "final", "last": f"mean of last {k}", "auc": f"area (mean over {k if k == 'tokens' else 'steps'})",
-            "best": "best after step 0", "gain": "final minus step 0" if k == 1 else f"mean of last {k} minus step 0"}[kind]
+    return {
+        "final": "final",
+        "last": f"mean of last {k}",
+        "auc": f"area (mean over {k if k == 'tokens' else 'steps'})",
+        "best": "best after step 0",
+        "gain": "final minus step 0" if k == 1 else f"mean of last {k} minus step 0",
+    }[kind]
 
 
 def aggregate(run: Run, metric: str, spec: str, lower: bool = False) -> float | None:
@@ -159,9 +181,11 @@ def aggregate(run: Run, metric: str, spec: str, lower: bool = False) -> float | 
     series = run.history.get(metric, [])
     if run.nonfinite.get(metric) and metric not in run.warned:  # named once, at its first use
         run.warned.add(metric)
-        warn(f"run {run.name} logged {metric} as nan or inf at steps {run.nonfinite[metric]}; those steps are "
-             f"left out of its {aggregate_name(spec)}" + (f" (its last finite value is from step {series[-1][0]})"
-                                                       if series else ""))
+        warn(
+            f"run {run.name} logged {metric} as nan or inf at steps {run.nonfinite[metric]}; those steps are "
+            f"left out of its {aggregate_name(spec)}"
+            + (f" (its last finite value is from step {series[-1][0]})" if series else "")
+        )
     if kind == "best":
         series = [(s, v) for s, v in series if s > 0]  # the step-0 evaluation is the shared start, not a result
     if not series:

@@ -1,5 +1,6 @@
 """Prompt samplers: `sampler.sample(make_rollout) -> (rollout, stats)`, where
 `make_rollout(rows)` generates and scores G completions for each dataset row."""
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,7 @@ class Uniform(Sampler):
         rows = []
         while len(rows) < n:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.dataset))
-            take = order[self.pos:self.pos + n - len(rows)]
+            take = order[self.pos : self.pos + n - len(rows)]
             rows.extend(self.dataset[int(i)] for i in take)
             self.pos += len(take)
             if self.pos >= len(self.dataset):
@@ -71,8 +72,9 @@ class DynamicSampling(Uniform):
     min_group_size = 2  # a group of one never has differing rewards
     even_shares = False  # which groups are kept differs between ranks
 
-    def __init__(self, dataset: Dataset, batch_size: int, seed: int = 0, max_gen_batches: int = 3,
-                 oversample: float = 1.0):
+    def __init__(
+        self, dataset: Dataset, batch_size: int, seed: int = 0, max_gen_batches: int = 3, oversample: float = 1.0
+    ):
         super().__init__(dataset, batch_size, seed)
         if max_gen_batches < 1 or oversample <= 0:
             raise ValueError("sampler.max_gen_batches must be >= 1 and sampler.oversample > 0")
@@ -86,6 +88,9 @@ class DynamicSampling(Uniform):
             keep, n = first_informative(r, self.batch_size - n_kept)
             kept.append(r.select_groups(keep))
             n_kept += n
-        stats = {"sampler/gen_batches": batches, "sampler/kept_groups": n_kept,
-                 "sampler/kept_frac": n_kept / max(generated, 1)}
+        stats = {
+            "sampler/gen_batches": batches,
+            "sampler/kept_groups": n_kept,
+            "sampler/kept_frac": n_kept / max(generated, 1),
+        }
         return Rollout.cat(kept), stats

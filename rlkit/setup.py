@@ -1,6 +1,7 @@
 """Building a run: the config checked (its values, then one build of the components that need no
 model, then what each built component can do), the models, optimizers and the rest built once,
 a warm start, resume and the first evaluation. `setup` returns the `Run` the loop's phases share."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,26 @@ from datasets import Dataset
 from omegaconf import DictConfig
 
 from rlkit import checkpoint, files, parallel
-from rlkit.components import (AdvantageEstimator, Aggregator, Correction, Critic, Engine, PolicyLoss, RewardFunction, Sampler,
-                              check, require)
+from rlkit.components import (
+    AdvantageEstimator,
+    Aggregator,
+    Correction,
+    Critic,
+    Engine,
+    PolicyLoss,
+    RewardFunction,
+    Sampler,
+    check,
+    require,
+)
 from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import evaluate
 from rlkit.guards import NonFiniteGuard, check_context, check_encodable, check_rollout_memory, check_writable
 from rlkit.hardware import hardware
 from rlkit.logging import NullLogger
 from rlkit.state import Parts, Progress, Run, Runtime
-from rlkit.warm_start import applies as warm_start_applies, warm_start
+from rlkit.warm_start import applies as warm_start_applies
+from rlkit.warm_start import warm_start
 
 
 @dataclass(frozen=True)
@@ -34,8 +46,8 @@ class Components:
     aggregator: Aggregator
     loss: PolicyLoss
     correction: Correction
-    reward_fns: dict                     # name -> RewardFunction
-    parallel: parallel.OneProcess        # how the processes share the model
+    reward_fns: dict  # name -> RewardFunction
+    parallel: parallel.OneProcess  # how the processes share the model
 
 
 def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Components:
@@ -46,12 +58,19 @@ def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Components:
     for g, kind in (("advantage", AdvantageEstimator), ("sampler", Sampler)):  # they declare `min_group_size`
         cls = target_class(cfg, g)
         check(cls, kind, g)
-        require(cfg.rollout.group_size >= cls.min_group_size,
-               f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {cfg.rollout.group_size}")
+        require(
+            cfg.rollout.group_size >= cls.min_group_size,
+            f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {cfg.rollout.group_size}",
+        )
     check(target_class(cfg, "engine"), Engine, "engine")
-    out = Components(build(cfg, "advantage"), build(cfg, "aggregator"), build(cfg, "loss"), build(cfg, "correction"),
-                     {name: build(cfg, f"reward.functions.{name}") for name in cfg.reward.functions},
-                     parallel.choose(cfg.parallel, rank, world))
+    out = Components(
+        build(cfg, "advantage"),
+        build(cfg, "aggregator"),
+        build(cfg, "loss"),
+        build(cfg, "correction"),
+        {name: build(cfg, f"reward.functions.{name}") for name in cfg.reward.functions},
+        parallel.choose(cfg.parallel, rank, world),
+    )
     check_built(cfg, out)
     return out
 
@@ -68,8 +87,10 @@ def check_built(cfg: DictConfig, c: Components) -> None:
     for name, fn in c.reward_fns.items():
         check(fn, RewardFunction, f"reward.functions.{name}")
         weight = fn.weight
-        require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
-               f"reward.functions.{name}.weight must be a finite number, got {weight!r}")
+        require(
+            isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+            f"reward.functions.{name}.weight must be a finite number, got {weight!r}",
+        )
     c.parallel.check(cfg, c.advantage, target_class(cfg, "sampler"))
 
 
@@ -91,8 +112,10 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     model = build(cfg, "model")
     policy, tokenizer = model.build(task.alphabet, init_seed)
     if model.format_prompt(tokenizer, "1") != "1":  # e.g. a chat template: format every prompt once
-        task.train, task.eval = (Dataset.from_list([{**r, "prompt": model.format_prompt(tokenizer, r["prompt"])}
-                                                    for r in split]) for split in (task.train, task.eval))
+        task.train, task.eval = (
+            Dataset.from_list([{**r, "prompt": model.format_prompt(tokenizer, r["prompt"])} for r in split])
+            for split in (task.train, task.eval)
+        )
     splits = {"train": task.train, "eval": task.eval}
     check_encodable(tokenizer, splits)
     check_context(tokenizer, policy, splits, cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
@@ -101,10 +124,12 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     R, O = cfg.rollout, cfg.optim
     rows = -(-R.prompts_per_step * R.group_size // world)
     prompt = max(len(ids) for ids in tokenizer(list(task.train["prompt"]))["input_ids"])
-    check_rollout_memory(policy, rows, O.micro_batch_size or -(-rows // O.mini_batches), prompt + R.max_new_tokens,
-                         device)
-    warm = warm_start(policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)},
-                      stop)
+    check_rollout_memory(
+        policy, rows, O.micro_batch_size or -(-rows // O.mini_batches), prompt + R.max_new_tokens, device
+    )
+    warm = warm_start(
+        policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)}, stop
+    )
     return task, model, policy, tokenizer, warm
 
 
@@ -122,15 +147,36 @@ def build_parts(cfg: DictConfig, c: Components, device: torch.device, stop) -> t
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
     sampler = build(cfg, "sampler", dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
     engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
-    return Parts(task, model, policy, tokenizer, engine, ref, critic, c.advantage, c.aggregator, c.loss, c.correction, c.reward_fns,
-                 sampler, optimizer, schedule), warm
+    return Parts(
+        task,
+        model,
+        policy,
+        tokenizer,
+        engine,
+        ref,
+        critic,
+        c.advantage,
+        c.aggregator,
+        c.loss,
+        c.correction,
+        c.reward_fns,
+        sampler,
+        optimizer,
+        schedule,
+    ), warm
 
 
 def eval_options(cfg: DictConfig) -> dict:
     """`evaluate`'s options from the `eval` and `rollout` configs."""
     R = cfg.rollout
-    return dict(batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens,
-                samples=cfg.eval.samples, temperature=R.temperature, top_p=R.top_p, seed=cfg.eval.seed)
+    return dict(
+        batch_size=cfg.eval.batch_size,
+        max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens,
+        samples=cfg.eval.samples,
+        temperature=R.temperature,
+        top_p=R.top_p,
+        seed=cfg.eval.seed,
+    )
 
 
 def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components | None = None, stop=None) -> Run:
@@ -146,7 +192,9 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components 
     device = torch.device(parallel.local_device(cfg.device))
     parts, warm = build_parts(cfg, c, device, stop)
     seed_everything(cfg.seed + rank)  # ranks sample differently; rank 0 as a single process would
-    run = Run(cfg, parts, Progress(), Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite)))
+    run = Run(
+        cfg, parts, Progress(), Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite))
+    )
     if rank == 0 and not cfg.checkpoint.resume:
         checkpoint.set_aside(run_dir, run_info.get("earlier_hydra"))
     if cfg.checkpoint.resume:
@@ -154,14 +202,33 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components 
     if rank:  # rank 0 alone writes
         run.runtime.logger = NullLogger()
     else:
-        run.runtime.logger = build(cfg, "logger", run_dir=run_dir, run_config=resolved(cfg),
-                                   resume_step=run.progress.start, run_id=run.progress.run_id, run_info=run_info)
-        files.write_text(Path(run_dir, "run.json"), json.dumps(
-            {"choices": run_info.get("choices", {}), "config": resolved(cfg), "warm_start": warm, "processes": world,
-             "parallel": type(c.parallel).__name__, "hardware": hardware(device)}, indent=1))
+        run.runtime.logger = build(
+            cfg,
+            "logger",
+            run_dir=run_dir,
+            run_config=resolved(cfg),
+            resume_step=run.progress.start,
+            run_id=run.progress.run_id,
+            run_info=run_info,
+        )
+        files.write_text(
+            Path(run_dir, "run.json"),
+            json.dumps(
+                {
+                    "choices": run_info.get("choices", {}),
+                    "config": resolved(cfg),
+                    "warm_start": warm,
+                    "processes": world,
+                    "parallel": type(c.parallel).__name__,
+                    "hardware": hardware(device),
+                },
+                indent=1,
+            ),
+        )
     p = run.progress
-    p.first_eval = p.first_eval or evaluate(parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg),
-                                        policy=parts.policy)
+    p.first_eval = p.first_eval or evaluate(
+        parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg), policy=parts.policy
+    )
     p.last_eval = p.last_eval or p.first_eval
     if p.start == 0:
         run.runtime.logger.log(0, p.first_eval)

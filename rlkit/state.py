@@ -1,6 +1,7 @@
 """A run's state, split by lifetime: `Parts` (what the run is built from, fixed once built),
 `Progress` (what the loop advances and a checkpoint restores) and `Runtime` (this process: its
 directory, device, parallel strategy, logger, guards, clock). `Run` holds the three and the config."""
+
 from __future__ import annotations
 
 import time
@@ -29,17 +30,17 @@ class Parts:
     """The built components and models (the objects keep their own internal state)."""
 
     task: Any
-    model: Model                         # the model component: reference, loading weights
+    model: Model  # the model component: reference, loading weights
     policy: torch.nn.Module
     tokenizer: Any
     engine: Engine
-    ref: torch.nn.Module | None          # frozen reference, only when loss.beta > 0
-    critic: Critic | None                # only when the estimator needs one
+    ref: torch.nn.Module | None  # frozen reference, only when loss.beta > 0
+    critic: Critic | None  # only when the estimator needs one
     advantage: AdvantageEstimator
     aggregator: Aggregator
     loss: PolicyLoss
     correction: Correction
-    reward_fns: dict                     # name -> RewardFunction; {} = the task's own reward
+    reward_fns: dict  # name -> RewardFunction; {} = the task's own reward
     sampler: Sampler
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LambdaLR
@@ -49,12 +50,12 @@ class Parts:
 class Progress:
     """Where the run stands; saved in every checkpoint."""
 
-    start: int = 0                       # last finished step (resume)
+    start: int = 0  # last finished step (resume)
     first_eval: dict = field(default_factory=dict)
     last_eval: dict = field(default_factory=dict)
-    wall_before: float = 0.0             # wall seconds of earlier sessions (resume)
-    finished_before: bool = False        # resumed from the final checkpoint: nothing left to train
-    run_id: str | None = None            # the logger's run, continued on resume
+    wall_before: float = 0.0  # wall seconds of earlier sessions (resume)
+    finished_before: bool = False  # resumed from the final checkpoint: nothing left to train
+    run_id: str | None = None  # the logger's run, continued on resume
 
 
 @dataclass
@@ -63,9 +64,9 @@ class Runtime:
 
     run_dir: str
     device: torch.device
-    parallel: Any                        # the strategy (rlkit.parallel.strategy): rank, world, reductions
+    parallel: Any  # the strategy (rlkit.parallel.strategy): rank, world, reductions
     logger: Any = None
-    guard: Any = None                    # NonFiniteGuard
+    guard: Any = None  # NonFiniteGuard
     timer: Timer = field(default_factory=Timer)
     t0: float = field(default_factory=time.perf_counter)  # this session's start
 

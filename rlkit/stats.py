@@ -5,6 +5,7 @@ two one-sided tests (TOST), and from 10 runs per arm the interquartile mean with
 bootstrap interval and the probability of improvement (Agarwal et al. 2021, arXiv 2108.13264,
 through their `rliable` package). Seed counts come from a declared smallest effect and a pilot's
 spread, never from the observed difference."""
+
 from __future__ import annotations
 
 import math
@@ -13,19 +14,19 @@ from dataclasses import dataclass
 from scipy import optimize
 from scipy import stats as sps
 
-BOOTSTRAP_FROM = 10   # runs per arm from which the IQM, bootstrap interval and P(improvement) are reported
+BOOTSTRAP_FROM = 10  # runs per arm from which the IQM, bootstrap interval and P(improvement) are reported
 BOOTSTRAP_REPS = 2000
 
 
 @dataclass
 class Difference:
-    diff: float        # mean of b - mean of a (paired: mean of the per-seed differences)
-    se: float          # its standard error
-    p: float           # two-sided p-value of "no difference"; nan when it cannot be tested
-    df: float          # degrees of freedom of the t distribution
+    diff: float  # mean of b - mean of a (paired: mean of the per-seed differences)
+    se: float  # its standard error
+    p: float  # two-sided p-value of "no difference"; nan when it cannot be tested
+    df: float  # degrees of freedom of the t distribution
     paired: bool
-    n: int             # pairs, or the smaller arm's size
-    sd: float          # sd of the paired differences, or the pooled sd
+    n: int  # pairs, or the smaller arm's size
+    sd: float  # sd of the paired differences, or the pooled sd
     alpha: float = 0.05
 
     @property
@@ -51,8 +52,9 @@ class Difference:
             return float("nan")
         if self.se == 0:
             return 0.0 if abs(self.diff) < margin else 1.0
-        return float(max(sps.t.sf((self.diff + margin) / self.se, self.df),
-                         sps.t.cdf((self.diff - margin) / self.se, self.df)))
+        return float(
+            max(sps.t.sf((self.diff + margin) / self.se, self.df), sps.t.cdf((self.diff - margin) / self.se, self.df))
+        )
 
     def describe(self) -> str:
         """The numbers in words: `+0.100 [-0.148, +0.348], d_z = +1.00 [...], p = 0.3 (paired t, n = 3)`."""
@@ -61,12 +63,16 @@ class Difference:
         if self.n < 2:
             return f"{self.diff:+.3f} (n = {self.n}: too few runs for an interval)"
         if self.zero_variance:
-            return f"{self.diff:+.3f} in every one of {self.n} {'pairs' if self.paired else 'runs'} (no spread: no test)"
+            return (
+                f"{self.diff:+.3f} in every one of {self.n} {'pairs' if self.paired else 'runs'} (no spread: no test)"
+            )
         lo, hi = self.interval
         d, dlo, dhi = self.dz()
         name = "d_z" if self.paired else "d"
-        return (f"{self.diff:+.3f} [{lo:+.3f}, {hi:+.3f}], {name} = {d:+.2f} [{dlo:+.2f}, {dhi:+.2f}], "
-                f"p = {self.p:.2g} ({'paired t' if self.paired else 'Welch t'}, n = {self.n})")
+        return (
+            f"{self.diff:+.3f} [{lo:+.3f}, {hi:+.3f}], {name} = {d:+.2f} [{dlo:+.2f}, {dhi:+.2f}], "
+            f"p = {self.p:.2g} ({'paired t' if self.paired else 'Welch t'}, n = {self.n})"
+        )
 
 
 def mean_ci(values: list[float], alpha: float = 0.05) -> tuple[float, float]:
@@ -111,7 +117,7 @@ def welch(a: list[float], b: list[float], alpha: float = 0.05) -> Difference:
         return Difference(mb - ma, float("nan"), float("nan"), float("nan"), False, min(na, nb), float("nan"), alpha)
     qa, qb = va / na, vb / nb
     se = math.sqrt(qa + qb)
-    df = (qa + qb) ** 2 / (qa ** 2 / (na - 1) + qb ** 2 / (nb - 1)) if se > 0 else float(na + nb - 2)
+    df = (qa + qb) ** 2 / (qa**2 / (na - 1) + qb**2 / (nb - 1)) if se > 0 else float(na + nb - 2)
     return Difference(mb - ma, se, _p(mb - ma, se, df), df, False, min(na, nb), math.sqrt((va + vb) / 2), alpha)
 
 
@@ -142,6 +148,7 @@ def effect_size(diff: float, sd: float, n: int, paired: bool, alpha: float = 0.0
 
     def nc_at(q: float) -> float:  # the noncentrality whose distribution puts t at quantile q
         return optimize.brentq(lambda nc: cdf(nc) - q, t - 10 - abs(t), t + 10 + abs(t))
+
     return diff / sd, nc_at(1 - alpha / 2) / scale, nc_at(alpha / 2) / scale
 
 
@@ -155,8 +162,9 @@ def holm(pvalues: list[float]) -> list[float]:
     return out
 
 
-def seeds_for_power(diff: float, sd: float, paired: bool, power: float = 0.8, alpha: float = 0.05,
-                    limit: int = 1000) -> int | None:
+def seeds_for_power(
+    diff: float, sd: float, paired: bool, power: float = 0.8, alpha: float = 0.05, limit: int = 1000
+) -> int | None:
     """Smallest n (pairs, or runs per arm) at which a two-sided t-test at `alpha` detects a true
     difference `diff` with probability `power`, given the standard deviation `sd` (of the paired
     differences, or pooled); from the noncentral t distribution."""
@@ -171,8 +179,9 @@ def seeds_for_power(diff: float, sd: float, paired: bool, power: float = 0.8, al
     return limit
 
 
-def seeds_for_equivalence(margin: float, sd: float, power: float = 0.8, alpha: float = 0.05,
-                          limit: int = 1000) -> int | None:
+def seeds_for_equivalence(
+    margin: float, sd: float, power: float = 0.8, alpha: float = 0.05, limit: int = 1000
+) -> int | None:
     """Smallest number of pairs at which TOST at `alpha` shows equivalence within ±margin with
     probability at least `power` when the true difference is 0 (a lower bound on TOST's power:
     1 - 2 P(T <= t_crit) with T noncentral t at margin / (sd / sqrt(n)))."""
@@ -196,14 +205,16 @@ def inflated_sd(sd: float, n: int, confidence: float = 0.8) -> float:
 class Robust:
     """From BOOTSTRAP_FROM runs per arm: interquartile means with stratified-bootstrap intervals, and
     the probability that a run of b beats a run of a, with its interval (Agarwal et al. 2021)."""
+
     iqm_a: tuple[float, float, float]  # estimate, low, high
     iqm_b: tuple[float, float, float]
     p_improve: tuple[float, float, float]
 
     def describe(self, a: str, b: str, lower: bool) -> str:
         f = lambda e: f"{e[0]:.3f} [{e[1]:.3f}, {e[2]:.3f}]"  # noqa: E731
-        return (f"IQM {b} {f(self.iqm_b)} vs {a} {f(self.iqm_a)}; P({b} {'<' if lower else '>'} {a}) = "
-                f"{f(self.p_improve)}")
+        return (
+            f"IQM {b} {f(self.iqm_b)} vs {a} {f(self.iqm_a)}; P({b} {'<' if lower else '>'} {a}) = {f(self.p_improve)}"
+        )
 
 
 def robust(a: list[float], b: list[float], lower: bool = False, alpha: float = 0.05, seed: int = 0) -> Robust | None:
@@ -216,13 +227,23 @@ def robust(a: list[float], b: list[float], lower: bool = False, alpha: float = 0
         return None
     import numpy as np
     from rliable import metrics
+
     sign = -1.0 if lower else 1.0  # rliable counts b beating a as b scoring higher
     xa, xb = np.array(a, dtype=float), np.array(b, dtype=float)  # [runs] each
 
     def estimate(statistic, *samples) -> tuple[float, float, float]:
-        ci = sps.bootstrap(samples, statistic, vectorized=False, paired=False, n_resamples=BOOTSTRAP_REPS,
-                           confidence_level=1 - alpha, method="percentile", random_state=np.random.default_rng(seed))
+        ci = sps.bootstrap(
+            samples,
+            statistic,
+            vectorized=False,
+            paired=False,
+            n_resamples=BOOTSTRAP_REPS,
+            confidence_level=1 - alpha,
+            method="percentile",
+            random_state=np.random.default_rng(seed),
+        )
         return float(statistic(*samples)), float(ci.confidence_interval.low), float(ci.confidence_interval.high)
+
     iqm = lambda x: metrics.aggregate_iqm(x[:, None])  # noqa: E731  [runs, 1 task]
     improve = lambda x, y: metrics.probability_of_improvement(sign * x[:, None], sign * y[:, None])  # noqa: E731
     return Robust(estimate(iqm, xa), estimate(iqm, xb), estimate(improve, xb, xa))

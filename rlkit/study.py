@@ -11,6 +11,7 @@ its checkpoint, and the plan is never recomputed.
     rlkit-study length_bias --jobs 2        # two runs at a time (each on one thread): the same records
     rlkit-study length_bias --analyse-only  # recompute every number from results/ alone
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,22 +37,22 @@ from rlkit.verdict import per_run, runs_by_arm, write_report
 
 @dataclass
 class MetricSpec:
-    metric: str = MISSING            # a logged metric, e.g. eval/accuracy
-    aggregate: str = "last:3"        # each run's one number: final, last:K, auc, auc:tokens or best (after step 0)
-    lower: bool = False              # lower values are better (lengths, losses)
+    metric: str = MISSING  # a logged metric, e.g. eval/accuracy
+    aggregate: str = "last:3"  # each run's one number: final, last:K, auc, auc:tokens or best (after step 0)
+    lower: bool = False  # lower values are better (lengths, losses)
 
 
 @dataclass
 class Primary(MetricSpec):
-    direction: str = MISSING         # the claimed effect of each treatment against the baseline: higher, lower or equal
+    direction: str = MISSING  # the claimed effect of each treatment against the baseline: higher, lower or equal
     smallest_effect: float = MISSING  # the smallest difference of interest; for `equal`, the equivalence margin
 
 
 @dataclass
 class Engagement(MetricSpec):
-    at_least: float | None = None    # each treatment arm's mean aggregate must reach this ...
-    at_most: float | None = None     # ... or stay below this, for the treatment to count as applied
-    arm: str | None = None           # or this one arm's (e.g. the baseline's: the mechanism must bind there)
+    at_least: float | None = None  # each treatment arm's mean aggregate must reach this ...
+    at_most: float | None = None  # ... or stay below this, for the treatment to count as applied
+    arm: str | None = None  # or this one arm's (e.g. the baseline's: the mechanism must bind there)
 
 
 @dataclass
@@ -59,24 +60,27 @@ class Learning(MetricSpec):
     """The baseline arm must learn for any verdict to count: its mean `aggregate` of `metric` per
     run (by default held-out accuracy, the mean of the last 3 evaluations minus step 0) is above 0
     with its 95% interval."""
+
     metric: str = "eval/accuracy"
     aggregate: str = "gain:3"
 
 
 @dataclass
 class Seeds:
-    pilot: int = 3                   # paired seeds per arm run first; their spread plans the rest
-    cap: int = 20                    # most seeds per arm the study may spend
-    pilot_confidence: float = 0.8    # the pilot's sd is raised to this upper confidence limit before planning
+    pilot: int = 3  # paired seeds per arm run first; their spread plans the rest
+    cap: int = 20  # most seeds per arm the study may spend
+    pilot_confidence: float = 0.8  # the pilot's sd is raised to this upper confidence limit before planning
 
 
 @dataclass
 class StudySpec:
-    claim: str = MISSING             # the published claim under test, in one or two sentences
-    source: str = MISSING            # the paper (authors, year, arXiv id)
-    config: list = field(default_factory=list)  # overrides every arm shares (the testbed), e.g. [+experiment=wide_testbed]
-    arms: dict = MISSING             # arm name -> its own overrides; arms differ in one mechanism
-    baseline: str = MISSING          # the arm the others are compared with
+    claim: str = MISSING  # the published claim under test, in one or two sentences
+    source: str = MISSING  # the paper (authors, year, arXiv id)
+    config: list = field(
+        default_factory=list
+    )  # overrides every arm shares (the testbed), e.g. [+experiment=wide_testbed]
+    arms: dict = MISSING  # arm name -> its own overrides; arms differ in one mechanism
+    baseline: str = MISSING  # the arm the others are compared with
     primary: Primary = MISSING
     secondary: list = field(default_factory=list)  # MetricSpec entries, Holm-corrected together
     engagement: Engagement | None = None  # a metric that shows the treatment acted
@@ -151,6 +155,7 @@ def check_lists(path: Path, loaded) -> None:
 
 # ---- what is recorded: one gzipped JSON-lines file per finished run ---------------------------------------------------
 
+
 def record_path(results: Path, arm: str, seed: int) -> Path:
     return results / "runs" / f"{arm}_seed{seed}.jsonl.gz"
 
@@ -168,9 +173,18 @@ def record(spec: StudySpec, results: Path, arm: str, seed: int, run_dir: Path, e
     """The run's metrics, config and hardware, written whole (a kill leaves no half file)."""
     meta = json.loads((run_dir / "run.json").read_text())
     body = (run_dir / "metrics.jsonl").read_text()
-    head = {"arm": arm, "seed": seed, "exit": exit_code, "finished": (run_dir / "summary.json").exists(),
-            "overrides": overrides(spec, arm), "declared": declared(spec), "rows": len(body.splitlines()),
-            "choices": meta["choices"], "config": meta["config"], "hardware": meta.get("hardware")}
+    head = {
+        "arm": arm,
+        "seed": seed,
+        "exit": exit_code,
+        "finished": (run_dir / "summary.json").exists(),
+        "overrides": overrides(spec, arm),
+        "declared": declared(spec),
+        "rows": len(body.splitlines()),
+        "choices": meta["choices"],
+        "config": meta["config"],
+        "hardware": meta.get("hardware"),
+    }
     path = record_path(results, arm, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     with files.staged(path, path.name) as tmp:
@@ -195,13 +209,17 @@ def read_records(results: Path) -> list[tuple[dict, list[dict]]]:
             continue
         out.append((head, rows))
     if damaged:
-        raise Stopped(EXIT_BAD_INPUT, f"damaged record(s): {'; '.join(damaged)}. Restore them from version control, "
-                      f"or delete them and rerun `rlkit-study` without --analyse-only to run those arms and seeds "
-                      f"again; the other {len(paths) - len(damaged)} records are intact and kept")
+        raise Stopped(
+            EXIT_BAD_INPUT,
+            f"damaged record(s): {'; '.join(damaged)}. Restore them from version control, "
+            f"or delete them and rerun `rlkit-study` without --analyse-only to run those arms and seeds "
+            f"again; the other {len(paths) - len(damaged)} records are intact and kept",
+        )
     return out
 
 
 # ---- running -------------------------------------------------------------------------------------------------------
+
 
 class Signals:
     """While the study runs: SIGINT or SIGTERM is forwarded once to each training run in progress
@@ -231,14 +249,22 @@ def start(spec: StudySpec, arm: str, seed: int, run_dir: Path, signals: Signals)
     goes to `<run_dir>.log`. A rerun of an interrupted run resumes from its checkpoint. The run sits
     in a session of its own, so a signal to the study reaches it once, through `signals`; if the
     study is killed outright, so is the run."""
-    cmd = [sys.executable, "-m", "rlkit.train", *overrides(spec, arm), f"seed={seed}", "threads=1",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlkit.train",
+        *overrides(spec, arm),
+        f"seed={seed}",
+        "threads=1",
+        f"hydra.run.dir={run_dir}",
+    ]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{run_dir}.log", "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
     signals.procs.add(proc)
     return proc
 
@@ -247,6 +273,7 @@ def die_with_parent() -> None:
     """In the child, before exec: on Linux, be killed when the study process dies (prctl PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
         import ctypes
+
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
@@ -260,8 +287,9 @@ def finished(running: dict, signals: Signals) -> tuple[subprocess.Popen, tuple]:
         time.sleep(0.2)
 
 
-def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Path, signals: Signals,
-              jobs: int = 1) -> None:
+def run_seeds(
+    spec: StudySpec, name: str, seeds: range, runs: Path, results: Path, signals: Signals, jobs: int = 1
+) -> None:
     """Every arm (and control) at every seed in `seeds` that is not recorded yet, seed by seed (pairs
     complete early), `jobs` runs at a time. A failed or stopped run lets the others finish (and be
     recorded) and starts no new one."""
@@ -276,22 +304,32 @@ def run_seeds(spec: StudySpec, name: str, seeds: range, runs: Path, results: Pat
             break
         proc, (arm, seed, run_dir, t0) = finished(running, signals)
         code = proc.returncode
-        print(f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
-              file=sys.stderr)
+        print(
+            f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
+            file=sys.stderr,
+        )
         if code in (0, 3) and (run_dir / "metrics.jsonl").exists():  # 3: stopped by non-finite updates; kept, named
             record(spec, results, arm, seed, run_dir, code)
         elif code == EXIT_PREEMPTED or (signals.received and code < 0):  # < 0: hit before it could checkpoint
-            stop = stop or Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received or 'a signal'} during "
-                                                   f"{arm} seed {seed}; rerun the same command to resume")
+            stop = stop or Stopped(
+                EXIT_PREEMPTED,
+                f"{name}: stopped by {signals.received or 'a signal'} during "
+                f"{arm} seed {seed}; rerun the same command to resume",
+            )
         else:
-            stop = stop or Stopped(code if code > 0 else 1, f"{name}: {arm} seed {seed} failed (exit {code}); see "
-                                   f"{run_dir}.log. Fix the cause and rerun the same command: recorded runs are kept")
+            stop = stop or Stopped(
+                code if code > 0 else 1,
+                f"{name}: {arm} seed {seed} failed (exit {code}); see "
+                f"{run_dir}.log. Fix the cause and rerun the same command: recorded runs are kept",
+            )
     if stop is not None:
         raise stop
     if todo:
         arm, seed = todo[0]
-        raise Stopped(EXIT_PREEMPTED, f"{name}: stopped by {signals.received} before {arm} seed {seed}; "
-                                      "rerun the same command to resume")
+        raise Stopped(
+            EXIT_PREEMPTED,
+            f"{name}: stopped by {signals.received} before {arm} seed {seed}; rerun the same command to resume",
+        )
 
 
 def plan(spec: StudySpec, records: list) -> dict:
@@ -301,8 +339,13 @@ def plan(spec: StudySpec, records: list) -> dict:
     values = per_run(runs_by_arm(pilot)[0], spec.primary)
     treatments = [a for a in spec.arms if a != spec.baseline]
     alpha = spec.alpha / len(treatments)
-    out = {"pilot_seeds": spec.seeds.pilot, "cap": spec.seeds.cap, "alpha_for_planning": alpha, "arms": {},
-           "declared": declared(spec)}
+    out = {
+        "pilot_seeds": spec.seeds.pilot,
+        "cap": spec.seeds.cap,
+        "alpha_for_planning": alpha,
+        "arms": {},
+        "declared": declared(spec),
+    }
     for arm in treatments:
         pairs = [(values[spec.baseline][s], values[arm][s]) for s in values[arm] if s in values[spec.baseline]]
         d = stats.paired([a for a, _ in pairs], [b for _, b in pairs])
@@ -311,8 +354,12 @@ def plan(spec: StudySpec, records: list) -> dict:
             need = stats.seeds_for_equivalence(spec.primary.smallest_effect, sd, spec.power, alpha)
         else:
             need = stats.seeds_for_power(spec.primary.smallest_effect, sd, True, spec.power, alpha)
-        out["arms"][arm] = {"pilot_pairs": d.n, "pilot_sd": d.sd, "planning_sd": sd,
-                            "needed": need if need is not None else spec.seeds.pilot}
+        out["arms"][arm] = {
+            "pilot_pairs": d.n,
+            "pilot_sd": d.sd,
+            "planning_sd": sd,
+            "needed": need if need is not None else spec.seeds.pilot,
+        }
     needed = max(a["needed"] for a in out["arms"].values())
     out.update(needed=needed, seeds=min(spec.seeds.cap, max(spec.seeds.pilot, needed)), capped=needed > spec.seeds.cap)
     return out
@@ -349,22 +396,30 @@ def check_declaration(spec: StudySpec, name: str, results: Path, records: list) 
     """The study file says what the runs were made under: the overrides of every recorded run's arm,
     and the declaration kept with the plan and with each record. An edit after the runs would
     otherwise change the verdict (or the README's protocol) silently."""
-    fix = ("restore the study file (e.g. `git checkout` it); a changed declaration is a new study: copy it to a new "
-           "folder and run that")
+    fix = (
+        "restore the study file (e.g. `git checkout` it); a changed declaration is a new study: copy it to a new "
+        "folder and run that"
+    )
     for head, _ in records:
         known = head["arm"] in every_arm(spec)
         if not known or head.get("overrides") != overrides(spec, head["arm"]):
-            raise Stopped(EXIT_BAD_INPUT, f"{name}: {head['arm']} seed {head['seed']} was recorded with overrides "
-                          f"{head.get('overrides')}, but the study file now says "
-                          f"{overrides(spec, head['arm']) if known else 'no such arm'}; {fix}")
+            raise Stopped(
+                EXIT_BAD_INPUT,
+                f"{name}: {head['arm']} seed {head['seed']} was recorded with overrides "
+                f"{head.get('overrides')}, but the study file now says "
+                f"{overrides(spec, head['arm']) if known else 'no such arm'}; {fix}",
+            )
     plan_file, now = results / "plan.json", declared(spec)
     kept = [(str(plan_file), read_plan(plan_file)["declared"])] if plan_file.exists() else []
     kept += [(f"the record of {h['arm']} seed {h['seed']}", h["declared"]) for h, _ in records if "declared" in h]
     for where, was in kept:
         was = with_defaults(was)
         if was != now:
-            raise Stopped(EXIT_BAD_INPUT, f"{name}: the study file differs from the declaration in {where}, under "
-                          f"which the runs were made: {'; '.join(changes(was, now))}; {fix}")
+            raise Stopped(
+                EXIT_BAD_INPUT,
+                f"{name}: the study file differs from the declaration in {where}, under "
+                f"which the runs were made: {'; '.join(changes(was, now))}; {fix}",
+            )
 
 
 def read_plan(path: Path) -> dict:
@@ -375,9 +430,12 @@ def read_plan(path: Path) -> dict:
             raise ValueError("not a plan")
         return plan_
     except (OSError, ValueError) as e:
-        raise Stopped(EXIT_BAD_INPUT, f"{path} is damaged ({type(e).__name__}: {e}): restore it from version "
-                      "control, or delete it and rerun `rlkit-study` without --analyse-only, which fixes the plan "
-                      "again from the pilot's records (the same plan)") from None
+        raise Stopped(
+            EXIT_BAD_INPUT,
+            f"{path} is damaged ({type(e).__name__}: {e}): restore it from version "
+            "control, or delete it and rerun `rlkit-study` without --analyse-only, which fixes the plan "
+            "again from the pilot's records (the same plan)",
+        ) from None
 
 
 def check_logged(spec: StudySpec, records: list) -> None:
@@ -387,15 +445,21 @@ def check_logged(spec: StudySpec, records: list) -> None:
     for head, rows in records:
         logged.setdefault(head["arm"], set()).update(k for row in rows for k in row)
     everywhere = set.union(*logged.values()) if logged else set()
-    missing = [m.metric for m in [spec.primary, *spec.secondary, *([spec.learning] if spec.learning else [])]
-               if m.metric not in everywhere]
+    missing = [
+        m.metric
+        for m in [spec.primary, *spec.secondary, *([spec.learning] if spec.learning else [])]
+        if m.metric not in everywhere
+    ]
     e = spec.engagement
-    if e is not None and not any(e.metric in logged.get(a, ()) for a in ([e.arm] if e.arm else spec.arms)
-                                 if e.arm or a != spec.baseline):
+    if e is not None and not any(
+        e.metric in logged.get(a, ()) for a in ([e.arm] if e.arm else spec.arms) if e.arm or a != spec.baseline
+    ):
         missing.append(spec.engagement.metric)
     if missing:
-        raise Stopped(EXIT_BAD_INPUT, f"no pilot run logged {', '.join(missing)}; logged: "
-                                      f"{', '.join(sorted(everywhere - {'step'}))[:1500]}")
+        raise Stopped(
+            EXIT_BAD_INPUT,
+            f"no pilot run logged {', '.join(missing)}; logged: {', '.join(sorted(everywhere - {'step'}))[:1500]}",
+        )
 
 
 def study_paths(target: str) -> tuple[str, Path]:
@@ -424,19 +488,28 @@ def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: 
     if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
         files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
     fixed = read_plan(plan_file)
-    print(f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap "
-          f"{fixed['cap']})", file=sys.stderr)
+    print(
+        f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap {fixed['cap']})",
+        file=sys.stderr,
+    )
     run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals, jobs)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlkit-study", description="Run a declared study end to end: pilot, plan, "
-                                "runs, analysis and the verdict in the study's README.")
+    p = argparse.ArgumentParser(
+        prog="rlkit-study",
+        description="Run a declared study end to end: pilot, plan, "
+        "runs, analysis and the verdict in the study's README.",
+    )
     p.add_argument("study", help="a study name (experiments/<name>/study.yaml) or the path of a study file")
     p.add_argument("--runs", type=Path, help="where run directories go (default: outputs/studies/<name>)")
     p.add_argument("--analyse-only", action="store_true", help="no runs: recompute the analysis from results/")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time, each on one thread (default 1); the "
-                   "records and the verdict are the same for any number")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at a time, each on one thread (default 1); the records and the verdict are the same for any number",
+    )
     return p
 
 

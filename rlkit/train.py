@@ -2,6 +2,7 @@
 0 done, 2 bad input (a config that does not compose or fails its checks, a bad task row), 3 too
 many non-finite updates, 74 storage full, 75 stopped by a signal after a checkpoint (rerun the
 same command to resume)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,7 +37,7 @@ class ComposeCheck(Callback):
     earlier run left there, so that a refused run can put them back (`restore_hydra_files`)."""
 
     composed = False
-    saved: dict = {}     # path -> bytes of the run directory's .hydra files before this run
+    saved: dict = {}  # path -> bytes of the run directory's .hydra files before this run
     existed: set = set()  # the run directory and the folders above it that existed before this run
 
     def on_run_start(self, config, **kwargs) -> None:
@@ -50,8 +51,9 @@ class ComposeCheck(Callback):
             sys.exit(EXIT_BAD_INPUT)
         hydra_dir = run_dir / str(OmegaConf.select(config, "hydra.output_subdir") or ".hydra")
         # the ranks of one launch write the same files: another rank's are not an earlier run's
-        ComposeCheck.saved = {p: p.read_bytes() for p in hydra_dir.glob("*.yaml") if not since_launch(p)} \
-            if hydra_dir.is_dir() else {}
+        ComposeCheck.saved = (
+            {p: p.read_bytes() for p in hydra_dir.glob("*.yaml") if not since_launch(p)} if hydra_dir.is_dir() else {}
+        )
 
     def on_multirun_start(self, config, **kwargs) -> None:
         ComposeCheck.composed = True
@@ -71,8 +73,13 @@ def discard_refused(run_dir: str) -> None:
         return
     path, cwd = Path(run_dir).resolve(), Path.cwd().resolve()
     ours = path not in existed or all(since_launch(f) for f in path.rglob("*"))
-    if path == cwd or cwd not in path.parents or not path.is_dir() or \
-            not {p.name for p in path.iterdir()} <= HYDRA_FILES or not ours:
+    if (
+        path == cwd
+        or cwd not in path.parents
+        or not path.is_dir()
+        or not {p.name for p in path.iterdir()} <= HYDRA_FILES
+        or not ours
+    ):
         return
     shutil.rmtree(path, ignore_errors=True)
     for parent in path.parents:
@@ -133,14 +140,20 @@ def app(cfg: DictConfig) -> dict | None:
     except OSError as e:
         if not files.storage_failed(e):
             raise
-        print(f"rlkit: error: {files.describe_write(e)}; earlier checkpoints are intact: free space and rerun the same "
-              "command to resume", file=sys.stderr)
+        print(
+            f"rlkit: error: {files.describe_write(e)}; earlier checkpoints are intact: free space and rerun the same "
+            "command to resume",
+            file=sys.stderr,
+        )
         sys.exit(EXIT_STORAGE)
     except Exception as e:
         if not parallel.peer_failed(e):
             raise
-        print(f"rlkit: error: another process of this run failed (its message is above); stopping this one "
-              f"({type(e).__name__})", file=sys.stderr)
+        print(
+            f"rlkit: error: another process of this run failed (its message is above); stopping this one "
+            f"({type(e).__name__})",
+            file=sys.stderr,
+        )
         time.sleep(PEER_GRACE_S)  # let the failing process exit first, so the launcher reports its own code
         sys.exit(1)
 
@@ -162,9 +175,12 @@ def main() -> None:
         app()
     except SystemExit as e:
         if e.code == 1 and not ComposeCheck.composed:
-            print("rlkit: error: the overrides or config files above did not compose. A component's own options "
-                  "are listed by adding the key with '+' (e.g. +advantage.bogus=1); `rlkit-train --help` lists the "
-                  "groups and their options", file=sys.stderr)
+            print(
+                "rlkit: error: the overrides or config files above did not compose. A component's own options "
+                "are listed by adding the key with '+' (e.g. +advantage.bogus=1); `rlkit-train --help` lists the "
+                "groups and their options",
+                file=sys.stderr,
+            )
             sys.exit(EXIT_BAD_INPUT)
         raise
 

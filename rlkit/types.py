@@ -4,6 +4,7 @@
 A `Rollout` holds P prompt groups of G completions each (N = P*G rows, group i is rows
 i*G..(i+1)*G-1): left-padded prompts, right-padded completions and their masks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
@@ -16,31 +17,31 @@ import torch.nn.functional as F
 class Generation(NamedTuple):
     """What an engine returns for N prompts."""
 
-    prompt_ids: torch.Tensor       # [N, Tp] left-padded
-    prompt_mask: torch.Tensor      # [N, Tp]
-    completion_ids: torch.Tensor   # [N, Tc] right-padded with the pad id
+    prompt_ids: torch.Tensor  # [N, Tp] left-padded
+    prompt_mask: torch.Tensor  # [N, Tp]
+    completion_ids: torch.Tensor  # [N, Tc] right-padded with the pad id
     completion_mask: torch.Tensor  # [N, Tc] 1 on completion tokens, EOS included
-    truncated: torch.Tensor        # [N] bool, no EOS within the budget
+    truncated: torch.Tensor  # [N] bool, no EOS within the budget
     logprobs: torch.Tensor | None = None  # [N, Tc] the engine's own log-probs of the sampled tokens (at the
-                                          # sampling temperature); None: an engine whose numbers are the trainer's
+    # sampling temperature); None: an engine whose numbers are the trainer's
 
 
 @dataclass
 class Rollout:
-    prompt_ids: torch.Tensor       # [N, Tp] left-padded
-    prompt_mask: torch.Tensor      # [N, Tp] 1 on prompt tokens
-    completion_ids: torch.Tensor   # [N, Tc] right-padded
+    prompt_ids: torch.Tensor  # [N, Tp] left-padded
+    prompt_mask: torch.Tensor  # [N, Tp] 1 on prompt tokens
+    completion_ids: torch.Tensor  # [N, Tc] right-padded
     completion_mask: torch.Tensor  # [N, Tc] 1 on completion tokens, EOS included
-    truncated: torch.Tensor        # [N] bool, no EOS within the budget
-    group_size: int                # G
-    rows: list = field(default_factory=list)   # N dataset rows (row i belongs to completion i)
+    truncated: torch.Tensor  # [N] bool, no EOS within the budget
+    group_size: int  # G
+    rows: list = field(default_factory=list)  # N dataset rows (row i belongs to completion i)
     texts: list = field(default_factory=list)  # N decoded completions
-    rewards: torch.Tensor | None = None        # [N]
-    shaping: torch.Tensor | None = None        # [N] reward shaping (e.g. overlong penalty), added to rewards
-    kl_penalty: torch.Tensor | None = None     # [N, Tc] beta * KL when the KL is placed in the reward
-    step_rewards: torch.Tensor | None = None   # [N, Tc] reward of the step ending at each token (process)
-    step_mask: torch.Tensor | None = None      # [N, Tc] 1 where a step ends
-    reward_parts: torch.Tensor | None = None   # [N, K] each reward function's score, before combining
+    rewards: torch.Tensor | None = None  # [N]
+    shaping: torch.Tensor | None = None  # [N] reward shaping (e.g. overlong penalty), added to rewards
+    kl_penalty: torch.Tensor | None = None  # [N, Tc] beta * KL when the KL is placed in the reward
+    step_rewards: torch.Tensor | None = None  # [N, Tc] reward of the step ending at each token (process)
+    step_mask: torch.Tensor | None = None  # [N, Tc] 1 where a step ends
+    reward_parts: torch.Tensor | None = None  # [N, K] each reward function's score, before combining
     behaviour_logp: torch.Tensor | None = None  # [N, Tc] log-probs the engine sampled with (Generation.logprobs)
 
     def __post_init__(self):

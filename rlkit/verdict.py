@@ -2,6 +2,7 @@
 aggregate, treatments paired with the baseline by seed, the primary test (Holm across treatments),
 the engagement check, secondary lines (Holm across all of them), and the verdict in words,
 written below a marker in the study's README with a plot of the primary metric."""
+
 from __future__ import annotations
 
 import math
@@ -9,9 +10,9 @@ from pathlib import Path
 
 from rlkit import files, stats
 from rlkit.compare import fmt, plot
-from rlkit.stats import mean_ci
 from rlkit.logging import flatten
-from rlkit.runs import Run, aggregate, aggregate_name, from_rows
+from rlkit.runs import aggregate, aggregate_name, from_rows
+from rlkit.stats import mean_ci
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
 
@@ -20,8 +21,9 @@ def runs_by_arm(records: list) -> tuple[dict, list[str]]:
     """{arm: {seed: Run}} of the runs that reached their last step, and a line for each one left out."""
     arms, left_out = {}, []
     for head, rows in records:
-        run = from_rows(f"{head['arm']} seed {head['seed']}", {**flatten(head["config"]), **head["choices"]}, rows,
-                        head["finished"])
+        run = from_rows(
+            f"{head['arm']} seed {head['seed']}", {**flatten(head["config"]), **head["choices"]}, rows, head["finished"]
+        )
         if head["finished"]:
             arms.setdefault(head["arm"], {})[head["seed"]] = run
         else:
@@ -32,8 +34,10 @@ def runs_by_arm(records: list) -> tuple[dict, list[str]]:
 def per_run(arms: dict, m) -> dict:
     """{arm: {seed: value}} of metric spec `m` (metric, aggregate, lower) over `runs_by_arm`'s runs;
     runs without a value are absent."""
-    return {arm: {s: v for s, r in runs.items() if (v := aggregate(r, m.metric, m.aggregate, m.lower)) is not None}
-            for arm, runs in arms.items()}
+    return {
+        arm: {s: v for s, r in runs.items() if (v := aggregate(r, m.metric, m.aggregate, m.lower)) is not None}
+        for arm, runs in arms.items()
+    }
 
 
 def pair(values: dict, base: str, arm: str) -> tuple[list[float], list[float]]:
@@ -41,12 +45,16 @@ def pair(values: dict, base: str, arm: str) -> tuple[list[float], list[float]]:
     return [values[base][s] for s in seeds], [values[arm][s] for s in seeds]
 
 
-def decide(spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped: bool,
-           learned: bool | None = None) -> tuple[str, str]:
+def decide(
+    spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped: bool, learned: bool | None = None
+) -> tuple[str, str]:
     """The verdict and its reason for one treatment's primary difference d (treatment - baseline)."""
     delta, direction = spec.primary.smallest_effect, spec.primary.direction
     if learned is False:
-        return "not tested", "the baseline did not learn (the learning check failed), so the testbed cannot show the claim"
+        return (
+            "not tested",
+            "the baseline did not learn (the learning check failed), so the testbed cannot show the claim",
+        )
     if engaged is False:
         return "not tested", "the engagement check failed: the treatment did not act enough to test the claim"
     if d.n < 2:
@@ -55,7 +63,10 @@ def decide(spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped
     tost = d.tost(delta)
     if direction == "equal":
         if p_adj < spec.alpha:
-            return "equivalent", f"the difference lies within ±{delta:g} (TOST adjusted p = {p_adj:.2g}): the claim holds"
+            return (
+                "equivalent",
+                f"the difference lies within ±{delta:g} (TOST adjusted p = {p_adj:.2g}): the claim holds",
+            )
         if lo > delta or hi < -delta:
             return "refuted", f"the interval [{lo:+.3f}, {hi:+.3f}] lies outside ±{delta:g}"
         need = stats.seeds_for_equivalence(delta, d.sd, spec.power, spec.alpha)
@@ -63,16 +74,25 @@ def decide(spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped
         sign = 1 if direction == "higher" else -1
         ohi = max(sign * lo, sign * hi)  # the interval's far end in the claimed direction
         if sign * d.diff > 0 and (p_adj < spec.alpha or d.zero_variance):
-            return "reproduced", (f"the difference is {direction} than 0 "
-                                  f"({'in every pair' if d.zero_variance else f'adjusted p = {p_adj:.2g}'})")
+            return "reproduced", (
+                f"the difference is {direction} than 0 "
+                f"({'in every pair' if d.zero_variance else f'adjusted p = {p_adj:.2g}'})"
+            )
         if tost < spec.alpha:
-            return "equivalent", f"no effect as large as {delta:g} either way (TOST p = {tost:.2g}): the claim fails here"
+            return (
+                "equivalent",
+                f"no effect as large as {delta:g} either way (TOST p = {tost:.2g}): the claim fails here",
+            )
         if ohi < delta:
-            return "refuted", f"the interval [{lo:+.3f}, {hi:+.3f}] excludes the claimed effect of {delta:g} {direction}"
+            return (
+                "refuted",
+                f"the interval [{lo:+.3f}, {hi:+.3f}] excludes the claimed effect of {delta:g} {direction}",
+            )
         need = stats.seeds_for_power(delta, d.sd, True, spec.power, spec.alpha)
     cost = f"; about {need} seeds per arm would decide it at the observed spread" if need else ""
-    return "inconclusive", (f"undecided at the seed cap ({spec.seeds.cap})" if capped else
-                            f"undecided at the planned {d.n} seeds") + cost
+    return "inconclusive", (
+        f"undecided at the seed cap ({spec.seeds.cap})" if capped else f"undecided at the planned {d.n} seeds"
+    ) + cost
 
 
 def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]]:
@@ -87,8 +107,10 @@ def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]
         mean = sum(v) / len(v) if v else float("nan")
         passed[arm] = (mean >= e.at_least) if e.at_least is not None else (mean <= e.at_most)
         bound = f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}"
-        lines.append(f"{arm}: {aggregate_name(e.aggregate)} {e.metric} = {mean:.4g} over {len(v)} runs, needs {bound}: "
-                     + ("passed" if passed[arm] else "FAILED"))
+        lines.append(
+            f"{arm}: {aggregate_name(e.aggregate)} {e.metric} = {mean:.4g} over {len(v)} runs, needs {bound}: "
+            + ("passed" if passed[arm] else "FAILED")
+        )
     return {arm: passed[e.arm or arm] for arm in treatments}, lines
 
 
@@ -102,12 +124,16 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
     gains = list(values.get(spec.baseline, {}).values())
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
     learned = d.n >= 2 and (d.diff > 0 if d.zero_variance else d.interval[0] > 0)
-    lines = [f"{spec.baseline} (baseline): {name} = {d.describe()}: "
-             + ("passed" if learned else "FAILED, the baseline did not learn")]
+    lines = [
+        f"{spec.baseline} (baseline): {name} = {d.describe()}: "
+        + ("passed" if learned else "FAILED, the baseline did not learn")
+    ]
     for control in spec.controls:
         own = list(values.get(control, {}).values())
-        lines.append(f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {spec.baseline} - {control}: "
-                     f"{stats.paired(*reversed(pair(values, spec.baseline, control)), spec.alpha).describe()}")
+        lines.append(
+            f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {spec.baseline} - {control}: "
+            f"{stats.paired(*reversed(pair(values, spec.baseline, control)), spec.alpha).describe()}"
+        )
     return learned, lines
 
 
@@ -123,20 +149,38 @@ def analyse(spec, records: list, plan: dict | None) -> dict:
     engaged, engagement_lines = engagement(spec, arms, treatments)
     learned, learning_lines = learning(spec, arms)
     capped = bool(plan and plan.get("capped"))
-    verdicts = {arm: decide(spec, diffs[arm], p, engaged.get(arm), capped, learned)
-                for arm, p in zip(treatments, adjusted)}
+    verdicts = {
+        arm: decide(spec, diffs[arm], p, engaged.get(arm), capped, learned) for arm, p in zip(treatments, adjusted)
+    }
     secondary = []
     for m in spec.secondary:
         vals = per_run(arms, m)
         for arm in treatments:
             a, b = pair(vals, spec.baseline, arm)
-            secondary.append((f"{aggregate_name(m.aggregate)} {m.metric}: {arm} - {spec.baseline}",
-                              stats.paired(a, b, spec.alpha), stats.robust(a, b, m.lower, spec.alpha), arm, m.lower))
-    return {"treatments": treatments, "values": values, "diffs": diffs, "p_raw": dict(zip(treatments, raw)),
-            "p_adjusted": dict(zip(treatments, adjusted)), "verdicts": verdicts, "engagement": engagement_lines,
-            "learned": learned, "learning": learning_lines,
-            "secondary": secondary, "secondary_holm": stats.holm([d.p for _, d, *_ in secondary]),
-            "left_out": left_out, "arms": arms}
+            secondary.append(
+                (
+                    f"{aggregate_name(m.aggregate)} {m.metric}: {arm} - {spec.baseline}",
+                    stats.paired(a, b, spec.alpha),
+                    stats.robust(a, b, m.lower, spec.alpha),
+                    arm,
+                    m.lower,
+                )
+            )
+    return {
+        "treatments": treatments,
+        "values": values,
+        "diffs": diffs,
+        "p_raw": dict(zip(treatments, raw)),
+        "p_adjusted": dict(zip(treatments, adjusted)),
+        "verdicts": verdicts,
+        "engagement": engagement_lines,
+        "learned": learned,
+        "learning": learning_lines,
+        "secondary": secondary,
+        "secondary_holm": stats.holm([d.p for _, d, *_ in secondary]),
+        "left_out": left_out,
+        "arms": arms,
+    }
 
 
 def fmt_ci(values: list[float]) -> str:
@@ -147,36 +191,77 @@ def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
     """The study file in words, with the plan fixed from the pilot."""
     P = spec.primary
     arms = ", ".join(f"`{a}` ({' '.join(o) or 'no overrides'})" for a, o in spec.arms.items())
-    effect = f"equal within ±{P.smallest_effect:g}" if P.direction == "equal" else \
-        f"{P.direction} by at least {P.smallest_effect:g}"
+    effect = (
+        f"equal within ±{P.smallest_effect:g}"
+        if P.direction == "equal"
+        else f"{P.direction} by at least {P.smallest_effect:g}"
+    )
     e = spec.engagement
-    check = "none declared" if e is None else (f"{aggregate_name(e.aggregate)} {e.metric} " + (
-        f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}")
-        + (f" in the {e.arm} arm" if e.arm else " in each treatment arm"))
+    check = (
+        "none declared"
+        if e is None
+        else (
+            f"{aggregate_name(e.aggregate)} {e.metric} "
+            + (f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}")
+            + (f" in the {e.arm} arm" if e.arm else " in each treatment arm")
+        )
+    )
     seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
     if plan is not None:
-        seeds += f"; planned {plan['seeds']} per arm (needed {plan['needed']}" + "".join(
-            f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}" for a, v in plan["arms"].items()) + ")"
+        seeds += (
+            f"; planned {plan['seeds']} per arm (needed {plan['needed']}"
+            + "".join(
+                f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}" for a, v in plan["arms"].items()
+            )
+            + ")"
+        )
     L = spec.learning
-    learns = [] if L is None else [f"- Learning check: the baseline's {aggregate_name(L.aggregate)} {L.metric} per run "
-                                   f"is above 0 with its {1 - spec.alpha:.0%} interval; failing it, no verdict"]
-    controls = [] if not spec.controls else ["- Controls, beside the baseline on the learning metric: " + ", ".join(
-        f"`{c}` ({' '.join(o)})" for c, o in spec.controls.items())]
-    return [f"- Claim: {spec.claim.strip()} ({spec.source})",
-            f"- Arms: {arms}; baseline `{spec.baseline}`; shared overrides: {' '.join(spec.config) or 'none'}",
-            f"- Primary: {aggregate_name(P.aggregate)} of {P.metric} per run; each treatment {effect} against the "
-            f"baseline; alpha {spec.alpha:g} (Holm across {treatments} treatment(s)), power {spec.power:g}",
-            "- Secondary (Holm across every line): "
-            + (", ".join(f"{aggregate_name(m.aggregate)} {m.metric}" for m in spec.secondary) or "none"),
-            f"- Engagement: {check}", *learns, *controls, f"- Seeds: {seeds}"]
+    learns = (
+        []
+        if L is None
+        else [
+            f"- Learning check: the baseline's {aggregate_name(L.aggregate)} {L.metric} per run "
+            f"is above 0 with its {1 - spec.alpha:.0%} interval; failing it, no verdict"
+        ]
+    )
+    controls = (
+        []
+        if not spec.controls
+        else [
+            "- Controls, beside the baseline on the learning metric: "
+            + ", ".join(f"`{c}` ({' '.join(o)})" for c, o in spec.controls.items())
+        ]
+    )
+    return [
+        f"- Claim: {spec.claim.strip()} ({spec.source})",
+        f"- Arms: {arms}; baseline `{spec.baseline}`; shared overrides: {' '.join(spec.config) or 'none'}",
+        f"- Primary: {aggregate_name(P.aggregate)} of {P.metric} per run; each treatment {effect} against the "
+        f"baseline; alpha {spec.alpha:g} (Holm across {treatments} treatment(s)), power {spec.power:g}",
+        "- Secondary (Holm across every line): "
+        + (", ".join(f"{aggregate_name(m.aggregate)} {m.metric}" for m in spec.secondary) or "none"),
+        f"- Engagement: {check}",
+        *learns,
+        *controls,
+        f"- Seeds: {seeds}",
+    ]
 
 
 def report(spec, name: str, results: Path, records: list, plan: dict | None) -> str:
     """The README section: the declared protocol, the plan, the result table, verdicts, secondary
     lines, what was left out and where the numbers come from."""
     r, P = analyse(spec, records, plan), spec.primary
-    lines = [MARKER, "", "## Declared protocol (study.yaml)", "", *protocol(spec, plan, len(r["treatments"])),
-             "", "## Result", "", f"| arm | runs | {aggregate_name(P.aggregate)} {P.metric} |", "|---|---|---|"]
+    lines = [
+        MARKER,
+        "",
+        "## Declared protocol (study.yaml)",
+        "",
+        *protocol(spec, plan, len(r["treatments"])),
+        "",
+        "## Result",
+        "",
+        f"| arm | runs | {aggregate_name(P.aggregate)} {P.metric} |",
+        "|---|---|---|",
+    ]
     for arm in [*spec.arms, *spec.controls]:
         v = list(r["values"].get(arm, {}).values())
         lines.append(f"| {arm} | {len(v)} | {fmt_ci(v)} |")
@@ -184,9 +269,14 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
     for arm in r["treatments"]:
         word, why = r["verdicts"][arm]
         d = r["diffs"][arm]
-        lines += [f"### Verdict, {arm} against {spec.baseline}: {word}", "",
-                  f"{arm} - {spec.baseline}: {d.describe()}; " + (f"adjusted p = {r['p_adjusted'][arm]:.2g}; "
-                                                                  if len(r["treatments"]) > 1 else "") + f"{why}.", ""]
+        lines += [
+            f"### Verdict, {arm} against {spec.baseline}: {word}",
+            "",
+            f"{arm} - {spec.baseline}: {d.describe()}; "
+            + (f"adjusted p = {r['p_adjusted'][arm]:.2g}; " if len(r["treatments"]) > 1 else "")
+            + f"{why}.",
+            "",
+        ]
         rob = stats.robust(*pair(r["values"], spec.baseline, arm), P.lower, spec.alpha)
         if rob is not None:
             lines += [rob.describe(spec.baseline, arm, P.lower), ""]
@@ -198,16 +288,26 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
         lines += [f"### Secondary ({n} line{'s' if n > 1 else ''}, Holm-adjusted p beside each)", ""]
         for (label, d, rob, arm, lower), p_adj in zip(r["secondary"], r["secondary_holm"]):
             extra = "" if math.isnan(p_adj) else f"; Holm-adjusted p = {p_adj:.2g}"
-            lines.append(f"- {label}: {d.describe()}{extra}" + (f"; {rob.describe(spec.baseline, arm, lower)}" if rob else ""))
+            lines.append(
+                f"- {label}: {d.describe()}{extra}" + (f"; {rob.describe(spec.baseline, arm, lower)}" if rob else "")
+            )
         lines.append("")
     if r["left_out"]:
         lines += ["### Runs left out", "", *[f"- {x}" for x in r["left_out"]], ""]
     hw = [h.get("hardware") or {} for h, _ in records]
-    cpus = sorted({f"{x.get('cpu', '?')} (torch kernels {x.get('cpu_capability', '?')}, pins {x.get('pins') or 'none'})"
-                   for x in hw})
-    lines += ["### Where the numbers come from", "",
-              f"{len(records)} runs, raw metrics in `results/runs/` (one gzipped JSON-lines file per run), on "
-              f"{'; '.join(cpus)}. Every number above: `rlkit-study {name} --analyse-only`.", ""]
+    cpus = sorted(
+        {
+            f"{x.get('cpu', '?')} (torch kernels {x.get('cpu_capability', '?')}, pins {x.get('pins') or 'none'})"
+            for x in hw
+        }
+    )
+    lines += [
+        "### Where the numbers come from",
+        "",
+        f"{len(records)} runs, raw metrics in `results/runs/` (one gzipped JSON-lines file per run), on "
+        f"{'; '.join(cpus)}. Every number above: `rlkit-study {name} --analyse-only`.",
+        "",
+    ]
     if plot_primary(spec, r["arms"], results):
         lines += [f"![{P.metric}](results/{P.metric.replace('/', '_')}.png)", ""]
     return "\n".join(lines)

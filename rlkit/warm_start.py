@@ -3,6 +3,7 @@ accuracy. It is shared by every RL seed: the model is initialised from `warm_sta
 run's seed), the result is cached on disk under a hash of everything that shapes it (model, task,
 warm-start settings, that seed), and a file lock makes jobs that start together on an empty cache
 train it once and all load the same weights."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,10 +17,10 @@ import torch
 from tqdm import tqdm
 
 from rlkit import checkpoint
+from rlkit.engines.kv_cache import encode_prompts
 from rlkit.files import staged
 from rlkit.guards import Preempted, file_lock
 from rlkit.hardware import kernels
-from rlkit.engines.kv_cache import encode_prompts
 from rlkit.logprobs import token_logprobs
 
 
@@ -51,8 +52,10 @@ def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: f
     n = len(pool)
     for _ in tqdm(range(steps), desc="rlkit warm start", file=sys.stderr, leave=False):
         if stop is not None and stop.received:
-            raise Preempted(f"stopped by {stop.received} during the warm start; nothing was cached or trained; "
-                            "rerun the same command to start again")
+            raise Preempted(
+                f"stopped by {stop.received} during the warm start; nothing was cached or trained; "
+                "rerun the same command to start again"
+            )
         rows = [pool[rng.randrange(n)] for _ in range(batch_size)]
         pid, pmask, cid, cmask = demonstration_batch(tokenizer, task, rows, rng)
         logp, _ = token_logprobs(policy, pid, pmask, cid, cmask)  # [B, Tc]
@@ -70,8 +73,10 @@ def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
     weights are cached and whether this call trained them ({} when there is no warm start)."""
     if not applies(cfg, task):
         return {}
-    path = cache_path(cfg.cache_dir, {**key, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
-                                      "seed": cfg.seed, "kernels": kernels()})  # the kernels change its numbers
+    path = cache_path(
+        cfg.cache_dir,
+        {**key, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed, "kernels": kernels()},
+    )  # the kernels change its numbers
     weights = path / "weights.pt"  # plain torch.save: the same on every rank of a torchrun job
     with file_lock(path.with_name(path.name + ".lock")):  # a job that finds another training it waits, then loads
         why = checkpoint.damage(path) if path.exists() else "absent"

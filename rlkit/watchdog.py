@@ -2,6 +2,7 @@
 daemon thread watches the call in progress and, past its limit, makes the main thread raise
 `TimeLimit` where it is, so a scorer stuck in a Python loop or a slow library ends with a named
 error instead of hanging the run."""
+
 from __future__ import annotations
 
 import signal

@@ -1,4 +1,5 @@
 """Shared test helpers: real Hydra composition of the packaged config, and a tiny fast run."""
+
 from __future__ import annotations
 
 import os
@@ -11,11 +12,25 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 # A run small enough for a test: 1-layer model, few prompts, short warm start.
 FAST = [
-    "steps=2", "threads=1", "logger=jsonl",
-    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
-    "model.hidden_size=64", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
-    "model.intermediate_size=64", "task.n_train=64", "task.n_eval=8",
-    "task.max_terms=2", "warm_start.steps=150", "warm_start.batch_size=32", "warm_start.lr=5e-3", "eval.every=1", "checkpoint.every=1",
+    "steps=2",
+    "threads=1",
+    "logger=jsonl",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=12",
+    "model.hidden_size=64",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.intermediate_size=64",
+    "task.n_train=64",
+    "task.n_eval=8",
+    "task.max_terms=2",
+    "warm_start.steps=150",
+    "warm_start.batch_size=32",
+    "warm_start.lr=5e-3",
+    "eval.every=1",
+    "checkpoint.every=1",
 ]
 
 

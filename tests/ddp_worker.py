@@ -1,4 +1,5 @@
 """A rank of a data-parallel update, started by tests/test_distributed.py with torch.multiprocessing."""
+
 import os
 
 import torch
@@ -19,16 +20,21 @@ def snapshot(state, stats) -> dict:
     critic = state.parts.critic.model.named_parameters() if state.parts.critic is not None else []
     full = state.runtime.parallel.policy_state(state.parts.policy, state.parts.optimizer)[0]  # None: not sharded
     params = full if full is not None else state.parts.policy.state_dict()
-    return {"params": {k: v.detach().clone() for k, v in params.items()},
-            "critic": {k: v.grad.clone() for k, v in critic if v.grad is not None},
-            "grad_norms": stats.grad_norms, "value_losses": stats.value_losses, "losses": stats.losses}
+    return {
+        "params": {k: v.detach().clone() for k, v in params.items()},
+        "critic": {k: v.grad.clone() for k, v in critic if v.grad is not None},
+        "grad_norms": stats.grad_norms,
+        "value_losses": stats.value_losses,
+        "losses": stats.losses,
+    }
 
 
 def update_on_shard(rank: int, world: int, port: int, cases: list, cache: str):
     """Each case (overrides, rollout file, output folder) in turn in one process group: setup, this
     rank's groups of the rollout, the update, and rank 0 saves the snapshot as `params.pt`."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     from conftest import make_cfg
     from rlkit import parallel
     from rlkit.setup import setup, validate

@@ -1,4 +1,5 @@
 """Rollouts built by hand from tensors (no model), for testing estimators and samplers."""
+
 import torch
 
 from rlkit.components import AdvantageEstimator
@@ -10,9 +11,16 @@ def make_rollout(rewards, G, lengths=None, T=4, shaping=None):
     lengths = lengths or [T] * N
     mask = torch.tensor([[1] * l + [0] * (T - l) for l in lengths])  # [N, T]
     z = torch.zeros(N, 1, dtype=torch.long)
-    return Rollout(z, z + 1, torch.zeros(N, T, dtype=torch.long), mask, torch.zeros(N, dtype=torch.bool), G,
-                   rewards=torch.tensor(rewards, dtype=torch.float),
-                   shaping=None if shaping is None else torch.tensor(shaping, dtype=torch.float))
+    return Rollout(
+        z,
+        z + 1,
+        torch.zeros(N, T, dtype=torch.long),
+        mask,
+        torch.zeros(N, dtype=torch.bool),
+        G,
+        rewards=torch.tensor(rewards, dtype=torch.float),
+        shaping=None if shaping is None else torch.tensor(shaping, dtype=torch.float),
+    )
 
 
 class NaNOnCalls(AdvantageEstimator):
@@ -21,6 +29,7 @@ class NaNOnCalls(AdvantageEstimator):
 
     def __init__(self, std: str = "sample", eps: float = 1e-6, std_scope: str = "group", calls: tuple = (2,)):
         from rlkit.advantages import GRPO
+
         self.inner, self.calls, self.n = GRPO(std, eps, std_scope), set(calls), 0
 
     def __call__(self, rollout, values=None):
@@ -45,10 +54,12 @@ class RemoteLikeEngine:
 
     def __init__(self, policy, tokenizer):
         import copy
+
         self.model, self.tokenizer = copy.deepcopy(policy).eval(), tokenizer
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
         from rlkit.engines.kv_cache import generate
+
         RemoteLikeEngine.generations += 1
         return generate(self.model, self.tokenizer, prompts, max_new_tokens, temperature, top_p)
 
@@ -100,12 +111,14 @@ def write_plugin(root, module: str, source: str, group: str, option: str, yaml: 
     return root, root / "my_conf"
 
 
-SIGN_ONLY = ("from rlkit.advantages import centred, grouped, per_token\n"
-             "from rlkit.components import AdvantageEstimator\n\n"
-             "class SignOnly(AdvantageEstimator):\n"
-             "    def __call__(self, rollout, values=None):\n"
-             "        diff, _ = centred(grouped(rollout))\n"
-             "        return per_token(diff.sign(), rollout)\n")
+SIGN_ONLY = (
+    "from rlkit.advantages import centred, grouped, per_token\n"
+    "from rlkit.components import AdvantageEstimator\n\n"
+    "class SignOnly(AdvantageEstimator):\n"
+    "    def __call__(self, rollout, values=None):\n"
+    "        diff, _ = centred(grouped(rollout))\n"
+    "        return per_token(diff.sign(), rollout)\n"
+)
 
 
 class HangingReward:
@@ -117,6 +130,7 @@ class HangingReward:
 
     def __call__(self, row, completion, task):
         import time
+
         while True:
             if self.blocked:
                 time.sleep(3600)
@@ -130,6 +144,7 @@ class NumpyReward:
 
     def __call__(self, row, completion, task):
         import numpy as np
+
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.float32(self.value) / np.float32(self.divide_by)  # 0 / 0: a NaN computed at run time
 
@@ -142,15 +157,26 @@ class FailsOnRank1:
 
     def __call__(self, row, completion, task):
         import os
+
         if os.environ.get("RANK") == "1":
             raise RuntimeError("scorer bug on rank 1")
         return 0.0
 
 
-ODD = {"float32": lambda: __import__("numpy").float32(0.5), "int": lambda: 1, "bool": lambda: True,
-       "str": lambda: "1", "none": lambda: None, "list": lambda: [1.0], "tensor": lambda: __import__("torch").tensor(0.5),
-       "tensor2": lambda: __import__("torch").tensor([0.5, 1.0]), "nan": lambda: float("nan"), "huge": lambda: 1e308,
-       "raise": lambda: 1 / 0, "hang": lambda: __import__("time").sleep(3600)}
+ODD = {
+    "float32": lambda: __import__("numpy").float32(0.5),
+    "int": lambda: 1,
+    "bool": lambda: True,
+    "str": lambda: "1",
+    "none": lambda: None,
+    "list": lambda: [1.0],
+    "tensor": lambda: __import__("torch").tensor(0.5),
+    "tensor2": lambda: __import__("torch").tensor([0.5, 1.0]),
+    "nan": lambda: float("nan"),
+    "huge": lambda: 1e308,
+    "raise": lambda: 1 / 0,
+    "hang": lambda: __import__("time").sleep(3600),
+}
 
 
 class OddReward:

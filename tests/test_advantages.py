@@ -1,12 +1,14 @@
 """GRPO advantages against hand-worked numbers, and their properties."""
+
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rlkit.advantages import GRPO
 from helpers import make_rollout as rollout
+from rlkit.advantages import GRPO
 
 
 def seq(adv):  # first token's advantage of each row
@@ -60,9 +62,16 @@ def test_population_and_sample_std_differ_by_bessel_factor():
     assert torch.allclose(pop, sample * math.sqrt(5 / 4), atol=1e-6)
 
 
-groups = st.integers(2, 6).flatmap(lambda G: st.tuples(
-    st.just(G), st.lists(st.lists(st.floats(-10, 10, width=32, allow_subnormal=False), min_size=G, max_size=G),
-                         min_size=1, max_size=4)))  # subnormal rewards: float32 cannot centre them
+groups = st.integers(2, 6).flatmap(
+    lambda G: st.tuples(
+        st.just(G),
+        st.lists(
+            st.lists(st.floats(-10, 10, width=32, allow_subnormal=False), min_size=G, max_size=G),
+            min_size=1,
+            max_size=4,
+        ),
+    )
+)  # subnormal rewards: float32 cannot centre them
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,7 +1,9 @@
 """Aggregators: hand-worked values, equivalences, and invariance to micro-batch splitting."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlkit.aggregators import SeqMeanTokenMean, SeqMeanTokenSum, SeqMeanTokenSumNorm, TokenMean
 
@@ -9,12 +11,15 @@ L = torch.tensor([[1.0, 3.0, 9.0, 9.0], [2.0, 2.0, 2.0, 6.0]])
 MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
 
 
-@pytest.mark.parametrize("agg, expect", [
-    (SeqMeanTokenMean(), (4 / 2 + 12 / 4) / 2),     # mean over sequences of token means
-    (TokenMean(), (4 + 12) / 6),                     # all tokens of the batch
-    (SeqMeanTokenSum(), (4 + 12) / 2),               # mean over sequences of token sums
-    (SeqMeanTokenSumNorm(constant=8), (4 / 8 + 12 / 8) / 2),
-])
+@pytest.mark.parametrize(
+    "agg, expect",
+    [
+        (SeqMeanTokenMean(), (4 / 2 + 12 / 4) / 2),  # mean over sequences of token means
+        (TokenMean(), (4 + 12) / 6),  # all tokens of the batch
+        (SeqMeanTokenSum(), (4 + 12) / 2),  # mean over sequences of token sums
+        (SeqMeanTokenSumNorm(constant=8), (4 / 8 + 12 / 8) / 2),
+    ],
+)
 def test_aggregators_by_hand(agg, expect):
     assert float((L * agg.token_weights(MASK)).sum()) == pytest.approx(expect)
 
@@ -47,7 +52,7 @@ def test_every_aggregator_gives_the_same_gradient_for_any_micro_batch_split(N, T
     for agg in (SeqMeanTokenMean(), TokenMean(), SeqMeanTokenSum(), SeqMeanTokenSumNorm(constant=T)):
         x = torch.randn(N, T, requires_grad=True)
         w = agg.token_weights(mask)  # whole-batch weights
-        (x ** 2 * w).sum().backward()
+        (x**2 * w).sum().backward()
         full = x.grad.clone()
         x.grad = None
         for idx in torch.arange(N).split(size):

@@ -1,4 +1,5 @@
 """The benchmark scripts run (tiny sizes; timings are printed, never asserted)."""
+
 import importlib.util
 from pathlib import Path
 
@@ -22,13 +23,31 @@ def test_gpu_check_runs_on_cpu(tmp_path, monkeypatch, capsys):
     """The GPU check's dry run on CPU (the GPU numbers need a GPU; CI has none)."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
     bench = load("gpu_check")
-    out = bench.check(["warm_start.steps=0", "model.num_layers=1", "rollout.prompts_per_step=2",
-                       "rollout.group_size=2", "task.n_train=16", "task.n_eval=4"], 1, 989.0, "cpu")
+    out = bench.check(
+        [
+            "warm_start.steps=0",
+            "model.num_layers=1",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "task.n_train=16",
+            "task.n_eval=4",
+        ],
+        1,
+        989.0,
+        "cpu",
+    )
     assert out["rollout tokens/s"] > 0 and out["update tokens/s"] > 0 and "MFU" not in out
 
 
-TINY = ["threads=1", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
-        "model.intermediate_size=64", "task.n_train=16"]
+TINY = [
+    "threads=1",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.intermediate_size=64",
+    "task.n_train=16",
+]
 
 
 def test_rlkit_and_trl_compute_the_same_advantages_loss_and_gradient(tmp_path, monkeypatch, capsys):
@@ -37,8 +56,17 @@ def test_rlkit_and_trl_compute_the_same_advantages_loss_and_gradient(tmp_path, m
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
     bench = load("bench_vs_trl")
     for mode in ("natural", "fixed"):  # fixed: with a few-shot context, where the shared prefix acts
-        res = bench.compare("tiny", mode, rounds=3, warmup=1, prompts=2, group=4, max_new=6, extra=TINY,
-                            context=24 if mode == "fixed" else 0)
+        res = bench.compare(
+            "tiny",
+            mode,
+            rounds=3,
+            warmup=1,
+            prompts=2,
+            group=4,
+            max_new=6,
+            extra=TINY,
+            context=24 if mode == "fixed" else 0,
+        )
         check = res["check"]
         assert check["rows"] == 8 and (check["mean length"] == 6 or mode == "natural")
         for key in ("advantage", "reference logp", "loss", "gradient"):

@@ -1,15 +1,16 @@
 """Real Hydra composition of the packaged config; bad input fails early with the key named."""
+
 import subprocess
 import sys
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
+from conftest import make_cfg
 from rlkit.config import ConfigError
 from rlkit.setup import validate
 from rlkit.train import run
-from conftest import make_cfg
 
 
 def test_defaults_compose_and_validate():
@@ -34,17 +35,20 @@ def test_wrong_type_fails_at_compose_time():
         make_cfg(["steps=many"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("rollout.group_size=1", r"rollout.group_size >= 2"),
-    ("optim.lr=0", r"optim.lr must be > 0"),
-    ("optim.eps=0", r"optim.eps must be > 0"),
-    ("optim.lr=-1e-3", r"optim.lr must be > 0"),
-    ("steps=0", r"steps must be >= 1"),
-    ("rollout.max_new_tokens=0", r"rollout.max_new_tokens must be >= 1"),
-    ("loss.kl_estimator=k4", r"loss.kl_estimator must be one of k1, k2, k3"),
-    ("+advantage.bogus=1", r"advantage.bogus is not an option of rlkit.advantages.GRPO"),
-    ("advantage.std=median", r"advantage: ValueError: advantage.std must be 'sample' or 'population'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.group_size=1", r"rollout.group_size >= 2"),
+        ("optim.lr=0", r"optim.lr must be > 0"),
+        ("optim.eps=0", r"optim.eps must be > 0"),
+        ("optim.lr=-1e-3", r"optim.lr must be > 0"),
+        ("steps=0", r"steps must be >= 1"),
+        ("rollout.max_new_tokens=0", r"rollout.max_new_tokens must be >= 1"),
+        ("loss.kl_estimator=k4", r"loss.kl_estimator must be one of k1, k2, k3"),
+        ("+advantage.bogus=1", r"advantage.bogus is not an option of rlkit.advantages.GRPO"),
+        ("advantage.std=median", r"advantage: ValueError: advantage.std must be 'sample' or 'population'"),
+    ],
+)
 def test_bad_values_are_named(override, message, tmp_path):
     cfg = make_cfg([override])
     with pytest.raises(ConfigError, match=message):
@@ -53,8 +57,12 @@ def test_bad_values_are_named(override, message, tmp_path):
 
 
 def test_cli_reports_bad_input_without_a_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "rlkit.train", "rollout.group_size=1", f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlkit.train", "rollout.group_size=1", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "rlkit: error: advantage=rlkit.advantages.GRPO needs rollout.group_size >= 2, got 1" in out.stderr
     assert "Traceback" not in out.stderr

@@ -1,10 +1,12 @@
 """Off-policy corrections: hand-worked weights for each, weight 1 (the same gradient) when the
 engine's numbers are the trainer's, and TRL's loss reproduced with the weights applied."""
+
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlkit.corrections import NoCorrection, OffPolicySequenceMask, SequenceIS, TokenMIS, TokenTIS
 from rlkit.losses import CISPO, GMPO, GSPO, SAPO, VESPO, KLCov, PPOClip
@@ -61,16 +63,30 @@ def test_the_off_policy_sequence_mask_drops_only_negative_far_sequences():
     assert close(w, [[1.0] * 3, [1.0, 1.0, 0.0]])
 
 
-@pytest.mark.parametrize("bad", [lambda: TokenTIS(c_max=0.5), lambda: TokenMIS(c_min=1.5),
-                                 lambda: SequenceIS(mode="clip"), lambda: SequenceIS(level="arithmetic"),
-                                 lambda: OffPolicySequenceMask(delta=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: TokenTIS(c_max=0.5),
+        lambda: TokenMIS(c_min=1.5),
+        lambda: SequenceIS(mode="clip"),
+        lambda: SequenceIS(level="arithmetic"),
+        lambda: OffPolicySequenceMask(delta=-1),
+    ],
+)
 def test_impossible_bounds_are_refused(bad):
     with pytest.raises(ValueError, match="correction\\."):
         bad()
 
 
-CORRECTIONS = [NoCorrection(), TokenTIS(), TokenMIS(), SequenceIS("truncate"), SequenceIS("mask"),
-               SequenceIS("mask", "product"), OffPolicySequenceMask()]
+CORRECTIONS = [
+    NoCorrection(),
+    TokenTIS(),
+    TokenMIS(),
+    SequenceIS("truncate"),
+    SequenceIS("mask"),
+    SequenceIS("mask", "product"),
+    OffPolicySequenceMask(),
+]
 LOSSES = [PPOClip(), GSPO(), CISPO(), SAPO(), GMPO(), VESPO(), KLCov(), PPOClip(beta=0.1, kl_is_weighted=True)]
 
 

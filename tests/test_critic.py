@@ -1,16 +1,19 @@
 """The critic: starts from the policy, predicts 0, clipped value loss by hand, explained variance."""
+
 import pytest
 import torch
 
 from rlkit.critic import build_critic, explained_variance, token_values, value_loss
-from rlkit.models import TinyQwen2
 from rlkit.engines.kv_cache import generate
-from rlkit.types import Rollout
+from rlkit.models import TinyQwen2
 from rlkit.tasks.arithmetic import ALPHABET
+from rlkit.types import Rollout
 
 
 def test_critic_copies_the_backbone_and_starts_at_zero():
-    policy, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64).build(ALPHABET, 0)
+    policy, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64).build(
+        ALPHABET, 0
+    )
     critic = build_critic(policy)
     for name, p in policy.base_model.state_dict().items():
         assert torch.equal(p, critic.base_model.state_dict()[name])

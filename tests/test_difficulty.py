@@ -1,11 +1,12 @@
 """The wide testbed and metrics split by difficulty and correctness, by hand."""
+
 import pytest
 import torch
 
 from conftest import make_cfg
 from helpers import make_rollout
-from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.advantages import DrGRPO
+from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.config import build
 from rlkit.metrics import feature_metrics, hardest_third, rollout_metrics, weight_metrics
 from rlkit.warm_start import train_supervised
@@ -29,8 +30,9 @@ def test_hardest_third_is_the_top_third_of_difficulty_levels():
 
 
 def test_the_warm_start_demonstrates_only_prompts_up_to_demo_max_terms(monkeypatch):
-    task = build(make_cfg(["task=arithmetic_wide", "task.n_train=300", "task.n_eval=50", "task.demo_max_terms=4"]),
-                 "task")
+    task = build(
+        make_cfg(["task=arithmetic_wide", "task.n_train=300", "task.n_eval=50", "task.demo_max_terms=4"]), "task"
+    )
     assert {r["difficulty"] for r in task.demonstrations} == {2, 3, 4} and len(task.train) == 300
     seen = []
     monkeypatch.setattr(type(task), "demonstration", lambda self, row, rng: seen.append(row["difficulty"]) or "1")
@@ -75,8 +77,13 @@ def test_the_share_of_worked_answers_by_difficulty_by_hand():
     rows = [{"difficulty": d} for d in (2, 2, 5, 8, 8)]  # levels 2, 5, 8: the hardest third is level 8
     texts = ["1+2=3;3", "3", "1+2=3;3+4=7;7+1=8;8+0=8;8", "36", "1+2=3;oops"]
     m = feature_metrics(task, rows, texts, "eval", hard=True)
-    assert m == {"eval/worked": pytest.approx(3 / 5), "eval/worked_d2": 0.5, "eval/worked_d5": 1.0,
-                 "eval/worked_d8": 0.5, "eval/worked_hard": 0.5}
+    assert m == {
+        "eval/worked": pytest.approx(3 / 5),
+        "eval/worked_d2": 0.5,
+        "eval/worked_d5": 1.0,
+        "eval/worked_d8": 0.5,
+        "eval/worked_hard": 0.5,
+    }
     assert "train/worked_hard" not in feature_metrics(task, rows, texts, "train")  # a batch's levels vary
     assert feature_metrics(task, rows, [], "eval") == {}
     assert feature_metrics(object(), rows, texts, "eval") == {}  # a task without features logs none

@@ -1,5 +1,6 @@
 """Data parallel with gloo on CPU: two processes give the single-process update on the same batch,
 groups never span ranks, rank 0 alone writes, and a two-process run resumes."""
+
 import json
 import os
 import signal
@@ -30,8 +31,12 @@ PARALLEL_CASES = {
     "token_mean": ["aggregator=token_mean"],
     "seq_mean_token_mean": ["aggregator=seq_mean_token_mean"],
     # 4 groups generated, 2 kept: the first two informative groups of the whole batch (set below)
-    "dynamic_sampling": ["sampler=dapo", "sampler.oversample=2", "sampler.max_gen_batches=1",
-                         "rollout.prompts_per_step=2"],
+    "dynamic_sampling": [
+        "sampler=dapo",
+        "sampler.oversample=2",
+        "sampler.max_gen_batches=1",
+        "rollout.prompts_per_step=2",
+    ],
     "batch_std": ["advantage.std_scope=batch"],
     "gae_whitening_and_critic": ["algo=ppo", "optim.epochs=1", "optim.mini_batches=1"],
     "shard": ["parallel=shard", "optim.micro_batch_size=0"],  # sharded policy and reference (one process: unsharded)
@@ -53,8 +58,13 @@ def updates(tmp_path_factory, warm_cache):
     for case in PARALLEL_CASES:
         out = tmp_path_factory.mktemp(case)
         state = setup(make_cfg(case_overrides(case, 1), cache_dir=warm_cache), str(out / "single"), {})
-        rollout = make_rollout(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward,
-                               [state.parts.task.train[i] for i in range(4)])
+        rollout = make_rollout(
+            state.parts,
+            state.runtime,
+            state.cfg.rollout,
+            state.cfg.reward,
+            [state.parts.task.train[i] for i in range(4)],
+        )
         if case == "dynamic_sampling":  # group 0 (rank 0) uninformative, groups 1-3 informative: keeps 1 and 2
             rollout.rewards = torch.tensor([0.0] * 4 + [1.0, 0, 0, 0] * 3)
         torch.save(rollout, out / "rollout.pt")
@@ -62,7 +72,9 @@ def updates(tmp_path_factory, warm_cache):
         ones[case] = (snapshot(state, stats), kept)
         jobs.append((case_overrides(case, 2), str(out / "rollout.pt"), str(out)))
     mp.spawn(update_on_shard, args=(2, free_port(), jobs, warm_cache), nprocs=2)
-    return {case: (*ones[case], torch.load(os.path.join(job[2], "params.pt"))) for case, job in zip(PARALLEL_CASES, jobs)}
+    return {
+        case: (*ones[case], torch.load(os.path.join(job[2], "params.pt"))) for case, job in zip(PARALLEL_CASES, jobs)
+    }
 
 
 @pytest.mark.parametrize("case", list(PARALLEL_CASES))
@@ -77,8 +89,15 @@ def test_two_processes_give_the_single_process_update_on_the_same_batch(updates,
         diffs = {k: float((v - two[which][k]).abs().max()) for k, v in one[which].items()}
         assert max(diffs.values(), default=0) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
     assert (case == "gae_whitening_and_critic") == bool(one["critic"])
-    assert any(not torch.equal(a, b) for a, b in zip(one["params"].values(), setup(
-        make_cfg(case_overrides(case, 1), cache_dir=warm_cache), str(tmp_path / "fresh"), {}).parts.policy.state_dict().values()))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(
+            one["params"].values(),
+            setup(make_cfg(case_overrides(case, 1), cache_dir=warm_cache), str(tmp_path / "fresh"), {})
+            .parts.policy.state_dict()
+            .values(),
+        )
+    )
 
 
 def test_each_rank_keeps_whole_groups():
@@ -94,12 +113,15 @@ def test_what_does_not_divide_among_the_processes_is_refused():
         validate(make_cfg(["sampler=dapo", "sampler.oversample=1.5"]), world=4)
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    ([], 1, "parallel=shard shards over several processes"),
-    (["algo=ppo"], 2, "parallel=shard does not shard a critic yet"),
-    (["sampler=dapo"], 2, "parallel=shard needs as many micro-batches on every process"),
-    (["optim.micro_batch_tokens=512"], 2, "parallel=shard needs as many micro-batches on every process"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        ([], 1, "parallel=shard shards over several processes"),
+        (["algo=ppo"], 2, "parallel=shard does not shard a critic yet"),
+        (["sampler=dapo"], 2, "parallel=shard needs as many micro-batches on every process"),
+        (["optim.micro_batch_tokens=512"], 2, "parallel=shard needs as many micro-batches on every process"),
+    ],
+)
 def test_sharding_refuses_what_it_does_not_shard_yet(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(make_cfg(["parallel=shard", *overrides]), world=world)
@@ -107,10 +129,26 @@ def test_sharding_refuses_what_it_does_not_shard_yet(overrides, world, message):
 
 
 def torchrun(run_dir, cache, *extra):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                           str(free_port()), "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={cache}",
-                           f"hydra.run.dir={run_dir}", *extra], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "rlkit.train",
+            *FAST,
+            f"warm_start.cache_dir={cache}",
+            f"hydra.run.dir={run_dir}",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_a_sharded_two_process_run_writes_once_and_resumes_to_the_uninterrupted_metrics(tmp_path, warm_cache):
@@ -153,6 +191,7 @@ def kill_all(marker: str) -> None:
 def test_a_killed_two_process_run_resumes_to_the_uninterrupted_metrics(tmp_path, warm_cache):
     """kill -9 the whole torchrun job after its step-4 checkpoint; the rerun restores every rank's RNG."""
     from test_reliability import metrics
+
     args = ["steps=10", "checkpoint.every=2", "eval.every=5"]
     ref = torchrun(tmp_path / "ref", warm_cache, *args)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -161,11 +200,23 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_metrics(tmp_path,
     assert info["processes"] == 2 and info["parallel"] == "Replicated"
     state = torch.load(tmp_path / "ref" / "checkpoints" / "step_000010" / "trainer_state.pt", weights_only=False)
     assert len(state["rng_ranks"]) == 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={warm_cache}", f"hydra.run.dir={tmp_path / 'run'}",
-           *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "rlkit.train",
+        *FAST,
+        f"warm_start.cache_dir={warm_cache}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     deadline = time.time() + 300
     while not (tmp_path / "run" / "checkpoints" / "step_000004").exists():
         assert proc.poll() is None and time.time() < deadline
@@ -183,13 +234,33 @@ def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path, warm_
     """What srun (or `hydra/launcher=slurm_ddp`) starts: one process per task, with SLURM's
     variables and none of torchrun's; they join one group and train as a two-process run."""
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0",
-             "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    tasks = [subprocess.Popen([sys.executable, "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={warm_cache}",
-                               f"hydra.run.dir={tmp_path / 'run'}", "steps=2"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
-             for r in range(2)]
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NODELIST": "localhost",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    tasks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlkit.train",
+                *FAST,
+                f"warm_start.cache_dir={warm_cache}",
+                f"hydra.run.dir={tmp_path / 'run'}",
+                "steps=2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+        )
+        for r in range(2)
+    ]
     for t in tasks:
         _, err = t.communicate(timeout=600)
         assert t.returncode == 0, err[-3000:]
@@ -201,9 +272,23 @@ def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path, warm_
 def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path, warm_cache):
     """What a scheduler does on preemption: SIGTERM to the launcher, which forwards it to the ranks."""
     from test_reliability import metrics
-    cmd = [sys.executable, "-m", "rlkit.parallel.launch", "--nproc_per_node=2", "--master_port", str(free_port()),
-           "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={warm_cache}", f"hydra.run.dir={tmp_path / 'run'}",
-           "steps=200", "checkpoint.every=0", "eval.every=0"]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlkit.parallel.launch",
+        "--nproc_per_node=2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "rlkit.train",
+        *FAST,
+        f"warm_start.cache_dir={warm_cache}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "steps=200",
+        "checkpoint.every=0",
+        "eval.every=0",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.time() + 300
@@ -222,12 +307,28 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path, w
 
 
 def test_a_failure_on_one_rank_stops_the_others_with_one_named_line(tmp_path, warm_cache):
-    out = subprocess.run([sys.executable, "-m", "rlkit.parallel.launch", "--nproc_per_node=2", "--master_port",
-                          str(free_port()), "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={warm_cache}",
-                          f"hydra.run.dir={tmp_path / 'run'}", "rewards=accuracy_format",
-                          "++reward.functions.format._target_=helpers.FailsOnRank1", "~reward.functions.format.pattern"],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlkit.parallel.launch",
+            "--nproc_per_node=2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "rlkit.train",
+            *FAST,
+            f"warm_start.cache_dir={warm_cache}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            "rewards=accuracy_format",
+            "++reward.functions.format._target_=helpers.FailsOnRank1",
+            "~reward.functions.format.pattern",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)},
+    )
     assert out.returncode == 2, out.stderr[-3000:]  # rank 1's bad input, not torchrun's 1
     assert "reward.functions.format raised on row 0" in out.stderr  # rank 1's own error
     assert "another process of this run failed (its message is above)" in out.stderr  # rank 0's one line

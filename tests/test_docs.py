@@ -4,13 +4,14 @@ Hydra and validated as rlkit-train validates them, with the processes torchrun w
 rlkit-compare and rlkit-study commands parse, and a study's arms compose and validate; the plugin
 files the pages show are written out first, so the plugin commands compose with them; pip and
 benchmark commands name extras and files that exist. A command of any other program fails."""
+
 import shlex
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from hydra import compose, initialize_config_module
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -60,8 +61,22 @@ def test_the_pages_show_commands_and_the_readme_is_short():
 
 
 def test_the_docs_build_strictly(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                          "-d", str(tmp_path / "site")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(tmp_path / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "site" / "distributed" / "index.html").exists()
 
@@ -74,8 +89,8 @@ def train_overrides(tokens: list[str]) -> tuple[list[str], int] | None:
         return tokens[3:], 1
     if tokens[0] in ("torchrun", "rlkit-launch") and "rlkit.train" in tokens:
         at = tokens.index("rlkit.train")
-        flags = dict(t.lstrip("-").split("=", 1) for t in tokens[1:at - 1] if "=" in t)
-        return tokens[at + 1:], int(flags.get("nproc_per_node", 1)) * int(flags.get("nnodes", 1))
+        flags = dict(t.lstrip("-").split("=", 1) for t in tokens[1 : at - 1] if "=" in t)
+        return tokens[at + 1 :], int(flags.get("nproc_per_node", 1)) * int(flags.get("nnodes", 1))
     return None
 
 
@@ -109,7 +124,9 @@ def check_command(cmd: str) -> None:
             target = tokens[-1]
             base, _, extra = target.partition("[")
             assert (ROOT / base).exists(), target
-            extras = tomllib.loads((ROOT / base / "pyproject.toml").read_text())["project"].get("optional-dependencies", {})
+            extras = tomllib.loads((ROOT / base / "pyproject.toml").read_text())["project"].get(
+                "optional-dependencies", {}
+            )
             assert not extra or extra.rstrip("]") in extras, target
         elif tokens[0] == "python" and tokens[1].startswith("benchmarks/"):
             assert (ROOT / tokens[1]).is_file()

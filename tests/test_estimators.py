@@ -1,7 +1,9 @@
 """Dr. GRPO, RLOO, GAE and process supervision: hand-worked numbers, equivalences, properties."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import make_rollout
 from rlkit.advantages import GAE, GRPO, RLOO, DrGRPO, ProcessSupervision
@@ -26,9 +28,14 @@ def test_reward_shaping_and_kl_penalty_enter_the_group_return():
     assert DrGRPO()(r)[:, 0].tolist() == [0.5, -0.5]
 
 
-group_rewards = st.integers(2, 6).flatmap(lambda G: st.tuples(
-    st.just(G), st.lists(st.floats(-5, 5, width=32, allow_subnormal=False), min_size=G, max_size=3 * G)
-    .map(lambda x: x[: len(x) // G * G])))  # float32 rewards without subnormals, which float32 cannot centre
+group_rewards = st.integers(2, 6).flatmap(
+    lambda G: st.tuples(
+        st.just(G),
+        st.lists(st.floats(-5, 5, width=32, allow_subnormal=False), min_size=G, max_size=3 * G).map(
+            lambda x: x[: len(x) // G * G]
+        ),
+    )
+)  # float32 rewards without subnormals, which float32 cannot centre
 
 
 @settings(max_examples=60, deadline=None)

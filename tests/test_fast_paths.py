@@ -1,51 +1,73 @@
 """The fast paths give the plain computation's numbers: the lean decoder's greedy tokens are
 `model.generate`'s, sampling draws from the softmax, packed and trimmed log-probs and their
 gradients equal the padded ones, length-sorted micro-batches cover every row once."""
+
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rlkit.engines.decoders import Lean, decoder
 from rlkit.engines.kv_cache import _sample, encode_prompts, generate
 from rlkit.logprobs import causal_parts, pack, positions, token_logprobs
-from rlkit.models import AdaptersOff, TinyQwen2
-from rlkit.types import Rollout
-from rlkit.tasks.arithmetic import ALPHABET
 from rlkit.loop import micro_batches
+from rlkit.models import AdaptersOff, TinyQwen2
+from rlkit.tasks.arithmetic import ALPHABET
+from rlkit.types import Rollout
 
 PROMPTS = ["1+2=", "13+4+5=", "7+7=", "9+1+0+3=", "5=", "2+2+2+2+2="] * 4  # left padding of several widths
 
 
 def tiny_qwen2():
-    model, tok = TinyQwen2(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                           intermediate_size=64).build(ALPHABET, 0)
+    model, tok = TinyQwen2(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64).build(
+        ALPHABET, 0
+    )
     return model.eval(), tok
 
 
 def other_models(tok):
     """A Llama and a Qwen3 (lean decoder) and a GPT-2 (the model's own forward), random weights."""
     common = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
-    llama = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=64, max_position_embeddings=64, **common)
+    llama = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **common,
+    )
     torch.manual_seed(0)
-    return {"llama": LlamaForCausalLM(LlamaConfig(**llama)).eval(),
-            "qwen3": Qwen3ForCausalLM(Qwen3Config(head_dim=8, **llama)).eval(),
-            "gpt2": GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **common)).eval()}
+    return {
+        "llama": LlamaForCausalLM(LlamaConfig(**llama)).eval(),
+        "qwen3": Qwen3ForCausalLM(Qwen3Config(head_dim=8, **llama)).eval(),
+        "gpt2": GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **common)).eval(),
+    }
 
 
 def reference_greedy(model, tok, prompts, n):
     ids, mask = encode_prompts(tok, prompts)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return out[:, ids.shape[1]:]  # [N, <=n]
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return out[:, ids.shape[1] :]  # [N, <=n]
 
 
 def test_greedy_generation_equals_model_generate_for_lean_and_generic_decoders():
     model, tok = tiny_qwen2()
     models = {"qwen2": model, **other_models(tok)}
-    assert [isinstance(decoder(m, *encode_prompts(tok, PROMPTS[:1]), 4), Lean) for m in models.values()] == \
-        [True, True, True, False]
+    assert [isinstance(decoder(m, *encode_prompts(tok, PROMPTS[:1]), 4), Lean) for m in models.values()] == [
+        True,
+        True,
+        True,
+        False,
+    ]
     for name, m in models.items():
         want = reference_greedy(m, tok, PROMPTS, 12)
         for lean in (True, False):
@@ -114,8 +136,16 @@ def weighted_grads(model, g, packed: bool, micro=None):
     model.zero_grad(set_to_none=True)
     out = torch.zeros(g.completion_ids.shape)
     for idx in micro or [torch.arange(len(w))]:
-        logp, ent = token_logprobs(model, g.prompt_ids[idx], g.prompt_mask[idx], g.completion_ids[idx],
-                                   g.completion_mask[idx], 0.9, "grad", packed=packed)  # [m, Tc] each
+        logp, ent = token_logprobs(
+            model,
+            g.prompt_ids[idx],
+            g.prompt_mask[idx],
+            g.completion_ids[idx],
+            g.completion_mask[idx],
+            0.9,
+            "grad",
+            packed=packed,
+        )  # [m, Tc] each
         ((logp + 0.1 * ent) * w[idx]).sum().backward()
         out[idx] = logp.detach()
     return out, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -140,7 +170,7 @@ def test_unpadded_log_probs_and_gradient_equal_the_padded_ones():
     def padded():  # the whole padded batch through the model's forward, no trimming, no packing
         w = torch.randn(g.completion_ids.shape, generator=torch.Generator().manual_seed(1)) * g.completion_mask
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -Tc - 1:-1] / 0.9
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -Tc - 1 : -1] / 0.9
         logp_all = torch.log_softmax(logits.float(), -1)  # [N, Tc, V]
         logp = logp_all.gather(-1, g.completion_ids[..., None]).squeeze(-1)
         ent = -(logp_all.exp() * logp_all).sum(-1)

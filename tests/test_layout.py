@@ -1,6 +1,7 @@
 """The shape of the package: rlkit's imports (module-level and inside functions) form no circle,
 the data types on the ground floor import nothing from rlkit, parallelism lives in one package,
 and no function is longer than 50 lines."""
+
 import ast
 from pathlib import Path
 
@@ -11,8 +12,10 @@ ROOT = Path(rlkit.__file__).parent
 
 def modules() -> dict:
     """rlkit's modules: dotted name -> source file."""
-    return {".".join(("rlkit", *p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
-            for p in ROOT.rglob("*.py")}
+    return {
+        ".".join(("rlkit", *p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
+        for p in ROOT.rglob("*.py")
+    }
 
 
 def import_graph() -> dict:
@@ -24,8 +27,9 @@ def import_graph() -> dict:
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "rlkit":
-                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
-                         for a in node.names}
+                deps |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names
+                }
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.split(".")[0] == "rlkit"}
         graph[name] = deps
@@ -39,11 +43,12 @@ def find_cycle(graph: dict) -> list | None:
         state[m] = 1
         for d in sorted(graph[m]):
             if state.get(d) == 1:
-                return path[path.index(d):] + [d]
+                return path[path.index(d) :] + [d]
             if d not in state and (found := visit(d, path + [d])):
                 return found
         state[m] = 2
         return None
+
     for m in sorted(graph):
         if m not in state and (found := visit(m, [m])):
             return found
@@ -73,7 +78,10 @@ def test_parallelism_lives_in_one_package():
 
 
 def test_no_function_is_longer_than_50_lines():
-    long = [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
-            for name, path in modules().items() for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50]
+    long = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, path in modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50
+    ]
     assert long == []

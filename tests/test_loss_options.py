@@ -2,6 +2,7 @@
 aggregation), the importance-weighted KL, top-entropy token selection and the adaptive entropy
 coefficient, against hand-worked numbers; and against TRL 1.16's own `GRPOTrainer._compute_loss`
 on shared random inputs wherever TRL has the same option."""
+
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -85,7 +86,9 @@ def test_the_importance_weighted_kl_multiplies_the_kl_by_the_ratio():
     plain, _ = PPOClip(beta=1.0)(*args, ref_logp=t([[-1.5]]))
     weighted, _ = PPOClip(beta=1.0, kl_is_weighted=True)(*args, ref_logp=t([[-1.5]]))
     k3 = math.exp(-0.5) + 0.5 - 1
-    assert math.isclose(float(plain), k3, rel_tol=1e-9) and math.isclose(float(weighted), k3 * math.exp(0.2), rel_tol=1e-9)
+    assert math.isclose(float(plain), k3, rel_tol=1e-9) and math.isclose(
+        float(weighted), k3 * math.exp(0.2), rel_tol=1e-9
+    )
 
 
 def test_top_entropy_selection_keeps_tokens_at_or_above_the_quantile():
@@ -109,8 +112,10 @@ def test_the_adaptive_entropy_coefficient_follows_the_measured_entropy():
 
 # ---- TRL's own loss code on the same inputs --------------------------------------------------------------------
 
+
 class OneProcess:
     """Test double for accelerate's Accelerator with one process: every collective is the identity."""
+
     num_processes, sync_gradients = 1, True
 
     def gather(self, x):
@@ -130,26 +135,57 @@ def trl_loss(logp0, entropy, inputs, loss_type="dapo", level="token", beta=0.0, 
     the given log-probs and entropies (a test double: the point is TRL's loss arithmetic), one process.
     Returns (loss, d loss / d logp)."""
     logp = logp0.clone().requires_grad_(True)
-    args = SimpleNamespace(use_bias_correction_kl=False, delta=None, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
-                           vespo_k_neg=3.0, vespo_lambda_neg=2.0, entropy_target=0.2, entropy_coef_delta=0.005,
-                           entropy_coef_min=0.0, entropy_coef_max=1.0, steps_per_generation=1)
+    args = SimpleNamespace(
+        use_bias_correction_kl=False,
+        delta=None,
+        vespo_k_pos=2.0,
+        vespo_lambda_pos=3.0,
+        vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0,
+        entropy_target=0.2,
+        entropy_coef_delta=0.005,
+        entropy_coef_min=0.0,
+        entropy_coef_max=1.0,
+        steps_per_generation=1,
+    )
     for k in list(options):
         if hasattr(args, k):
             setattr(args, k, options.pop(k))
     fake = SimpleNamespace(
-        args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=0.2, epsilon_high=0.2,
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=False,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=OneProcess(),
-        _metrics={"train": defaultdict(list)}, aux_loss_enabled=False, entropy_coef=0.0, use_adaptive_entropy=False,
-        _entropy_bonus_enabled=False, _last_world_entropy=float("inf"), _entropy_window_stats=None,
-        max_completion_length=logp0.shape[1], get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        args=args,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        accelerator=OneProcess(),
+        _metrics={"train": defaultdict(list)},
+        aux_loss_enabled=False,
+        entropy_coef=0.0,
+        use_adaptive_entropy=False,
+        _entropy_bonus_enabled=False,
+        _last_world_entropy=float("inf"),
+        _entropy_window_stats=None,
+        max_completion_length=logp0.shape[1],
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
         get_gamma_weights=GRPOTrainer.get_gamma_weights,
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None))
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None),
+    )
     fake.__dict__.update(options)
     fake.get_high_entropy_mask = lambda e, m, q: GRPOTrainer.get_high_entropy_mask(fake, e, m, q)
     n, T = logp0.shape
-    base = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
-            "completion_ids": torch.zeros(n, T, dtype=torch.long), "num_items_in_batch": inputs["completion_mask"].sum()}
+    base = {
+        "prompt_ids": torch.zeros(n, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(n, T, dtype=torch.long),
+        "num_items_in_batch": inputs["completion_mask"].sum(),
+    }
     loss = GRPOTrainer._compute_loss(fake, None, {**base, **inputs})
     loss.backward()
     return loss.detach(), logp.grad, fake
@@ -162,11 +198,14 @@ def shared():
     n, T = 6, 7
     old = -torch.rand(n, T, generator=g, dtype=D) * 2
     return SimpleNamespace(
-        old=old, logp=old + 0.15 * torch.randn(n, T, generator=g, dtype=D),
+        old=old,
+        logp=old + 0.15 * torch.randn(n, T, generator=g, dtype=D),
         behaviour=old + 0.4 * torch.randn(n, T, generator=g, dtype=D),
-        ref=old + 0.2 * torch.randn(n, T, generator=g, dtype=D), entropy=torch.rand(n, T, generator=g, dtype=D) * 2,
+        ref=old + 0.2 * torch.randn(n, T, generator=g, dtype=D),
+        entropy=torch.rand(n, T, generator=g, dtype=D) * 2,
         adv=torch.randn(n, 1, generator=g, dtype=D),
-        mask=(torch.arange(T)[None] < torch.tensor([[7], [3], [5], [1], [6], [4]])).to(D))
+        mask=(torch.arange(T)[None] < torch.tensor([[7], [3], [5], [1], [6], [4]])).to(D),
+    )
 
 
 def rlkit_loss(s, loss_fn, aggregator, correction=None, select=None, entropy=None):
@@ -188,35 +227,57 @@ def assert_same(a, b):
     assert torch.allclose(a[1], b[1], rtol=1e-6, atol=1e-12), (a[1] - b[1]).abs().max()
 
 
-@pytest.mark.parametrize("correction,mode", [(TokenTIS(c_max=2.0), "token_truncate"),
-                                             (TokenMIS(c_min=0.5, c_max=5.0), "token_mask"),
-                                             (SequenceIS("truncate", "product"), "sequence_truncate"),
-                                             (SequenceIS("mask", "product"), "sequence_mask")])
+@pytest.mark.parametrize(
+    "correction,mode",
+    [
+        (TokenTIS(c_max=2.0), "token_truncate"),
+        (TokenMIS(c_min=0.5, c_max=5.0), "token_mask"),
+        (SequenceIS("truncate", "product"), "sequence_truncate"),
+        (SequenceIS("mask", "product"), "sequence_mask"),
+    ],
+)
 def test_importance_corrections_weigh_the_loss_as_trl_does(shared, correction, mode):
     """TRL computes its vLLM ratio inside generation (not callable alone), so its ratio is built here
     with rlkit's correction and the test checks how TRL applies it: on the policy term, before the KL."""
     w = correction(shared.logp, shared.old, shared.behaviour, shared.adv.expand_as(shared.mask), shared.mask)[0]
     ratio = w if mode.startswith("token") else w[:, :1]
     ours = rlkit_loss(shared, PPOClip(beta=0.05), TokenMean(), correction)
-    theirs = trl_loss(shared.logp, shared.entropy, trl_inputs(shared, importance_sampling_ratio=ratio,
-                      ref_per_token_logps=shared.ref), beta=0.05, use_vllm=True, vllm_importance_sampling_correction=True)
+    theirs = trl_loss(
+        shared.logp,
+        shared.entropy,
+        trl_inputs(shared, importance_sampling_ratio=ratio, ref_per_token_logps=shared.ref),
+        beta=0.05,
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+    )
     assert_same(ours, theirs[:2])
 
 
 def test_the_off_policy_sequence_mask_is_trls(shared):
     ours = rlkit_loss(shared, PPOClip(), TokenMean(), OffPolicySequenceMask(delta=0.05))
-    theirs = trl_loss(shared.logp, shared.entropy, trl_inputs(shared, sampling_per_token_logps=shared.behaviour),
-                      off_policy_mask_threshold=0.05, use_vllm=True)
+    theirs = trl_loss(
+        shared.logp,
+        shared.entropy,
+        trl_inputs(shared, sampling_per_token_logps=shared.behaviour),
+        off_policy_mask_threshold=0.05,
+        use_vllm=True,
+    )
     assert_same(ours, theirs[:2])
-    dropped = OffPolicySequenceMask(delta=0.05)(shared.logp, shared.old, shared.behaviour, shared.adv.expand_as(shared.mask),
-                                               shared.mask)[0]
+    dropped = OffPolicySequenceMask(delta=0.05)(
+        shared.logp, shared.old, shared.behaviour, shared.adv.expand_as(shared.mask), shared.mask
+    )[0]
     assert 0 < int((dropped[:, 0] == 0).sum()) < 6  # the inputs exercise both outcomes
 
 
 def test_the_importance_weighted_kl_is_trls_bias_corrected_kl(shared):
     ours = rlkit_loss(shared, PPOClip(beta=0.1, kl_is_weighted=True), TokenMean())
-    theirs = trl_loss(shared.logp, shared.entropy, trl_inputs(shared, ref_per_token_logps=shared.ref), beta=0.1,
-                      use_bias_correction_kl=True)
+    theirs = trl_loss(
+        shared.logp,
+        shared.entropy,
+        trl_inputs(shared, ref_per_token_logps=shared.ref),
+        beta=0.1,
+        use_bias_correction_kl=True,
+    )
     assert_same(ours, theirs[:2])
 
 
@@ -242,9 +303,15 @@ def test_vespo_is_trls_with_and_without_a_correction(shared):
     ratio = tis(shared.logp, shared.old, shared.behaviour, shared.adv.expand_as(shared.mask), shared.mask)[0]
     ours = rlkit_loss(shared, VESPO(), TokenMean(), tis)
     ratio = ratio.masked_fill(shared.mask == 0, 1.0)  # TRL's ratio is exp(0) on padding
-    theirs = trl_loss(shared.logp, shared.entropy, trl_inputs(shared, importance_sampling_ratio=ratio),
-                      loss_type="vespo", use_vllm=True, vllm_importance_sampling_correction=True,
-                      vllm_importance_sampling_mode="token_truncate")
+    theirs = trl_loss(
+        shared.logp,
+        shared.entropy,
+        trl_inputs(shared, importance_sampling_ratio=ratio),
+        loss_type="vespo",
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate",
+    )
     assert_same(ours, theirs[:2])
 
 
@@ -256,10 +323,21 @@ def test_the_adaptive_entropy_coefficient_is_trls(shared):
         entropy = (shared.entropy + shift).clamp(min=0)
         mine = rlkit_loss(shared, ours, TokenMean(), entropy=entropy)
         ours.end_step(torch.stack([(entropy * shared.mask).sum(), shared.mask.sum()]))
-        theirs = trl_loss(shared.logp, entropy, trl_inputs(shared), use_adaptive_entropy=True,
-                          _entropy_bonus_enabled=True, entropy_target=1.2, entropy_coef_delta=0.01, **state)
+        theirs = trl_loss(
+            shared.logp,
+            entropy,
+            trl_inputs(shared),
+            use_adaptive_entropy=True,
+            _entropy_bonus_enabled=True,
+            entropy_target=1.2,
+            entropy_coef_delta=0.01,
+            **state,
+        )
         assert_same(mine, theirs[:2])
         fake = theirs[2]
-        state = {"entropy_coef": fake.entropy_coef, "_last_world_entropy": fake._last_world_entropy,
-                 "_entropy_window_stats": None}
+        state = {
+            "entropy_coef": fake.entropy_coef,
+            "_last_world_entropy": fake._last_world_entropy,
+            "_entropy_window_stats": None,
+        }
         assert math.isclose(ours.entropy_coef, fake.entropy_coef, rel_tol=1e-12), step

@@ -1,9 +1,11 @@
 """The clipped surrogate's gradient on both sides of the clip band, and the KL estimators."""
+
 import math
 
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from rlkit.losses import PPOClip, clipped_surrogate, kl_estimate
 
@@ -15,15 +17,18 @@ def grad_at(ratio: float, adv: float, eps_low=0.2, eps_high=0.2, dual_clip=None)
     return float(logp.grad)
 
 
-@pytest.mark.parametrize("ratio, adv, expect", [
-    (1.0, 1.0, -1.0),    # inside the band: d(-r*A)/dlogp = -r*A
-    (1.1, 1.0, -1.1),
-    (1.3, 1.0, 0.0),     # positive advantage above 1+eps_high: clipped, no gradient
-    (0.7, 1.0, -0.7),    # positive advantage below the band keeps its gradient
-    (0.7, -1.0, 0.0),    # negative advantage below 1-eps_low: clipped
-    (1.3, -1.0, 1.3),    # negative advantage above the band keeps its gradient
-    (0.9, -2.0, 1.8),
-])
+@pytest.mark.parametrize(
+    "ratio, adv, expect",
+    [
+        (1.0, 1.0, -1.0),  # inside the band: d(-r*A)/dlogp = -r*A
+        (1.1, 1.0, -1.1),
+        (1.3, 1.0, 0.0),  # positive advantage above 1+eps_high: clipped, no gradient
+        (0.7, 1.0, -0.7),  # positive advantage below the band keeps its gradient
+        (0.7, -1.0, 0.0),  # negative advantage below 1-eps_low: clipped
+        (1.3, -1.0, 1.3),  # negative advantage above the band keeps its gradient
+        (0.9, -2.0, 1.8),
+    ],
+)
 def test_clip_gradient_both_sides(ratio, adv, expect):
     assert grad_at(ratio, adv) == pytest.approx(expect, rel=1e-5, abs=1e-7)
 

@@ -1,4 +1,5 @@
 """A statistic of an empty subset is missing (None, not logged), never 0: one test per metric family."""
+
 import json
 import math
 
@@ -41,8 +42,13 @@ def test_loggers_leave_missing_values_out(tmp_path):
 
 def test_evaluation_reports_greedy_and_sampled_accuracy_per_difficulty_on_a_fixed_set(tmp_path):
     cfg = make_cfg(["task=arithmetic_wide", "task.n_train=64", "task.n_eval=24", "task.max_terms=4"])
-    task, other_seed = build(cfg, "task"), build(make_cfg(["task=arithmetic_wide", "task.n_train=64", "task.n_eval=24",
-                                                           "task.max_terms=4", "seed=7"]), "task")
+    task, other_seed = (
+        build(cfg, "task"),
+        build(
+            make_cfg(["task=arithmetic_wide", "task.n_train=64", "task.n_eval=24", "task.max_terms=4", "seed=7"]),
+            "task",
+        ),
+    )
     assert task.eval.to_list() == other_seed.eval.to_list()  # the evaluation set does not follow the run's seed
     policy, tokenizer = build(cfg, "model").build(task.alphabet, seed=0)
     for p in policy.parameters():  # all logits equal: greedy decoding writes padding, never a correct answer
@@ -65,7 +71,9 @@ def test_evaluation_reports_greedy_and_sampled_accuracy_per_difficulty_on_a_fixe
 
 def test_the_probe_entropy_is_a_plain_forwards_mean_token_entropy_on_fixed_demonstrations():
     import random
+
     from rlkit.warm_start import demonstration_batch
+
     cfg = make_cfg(["task.n_train=64", "task.n_eval=12"])
     task = build(cfg, "task")
     policy, tokenizer = build(cfg, "model").build(task.alphabet, seed=0)  # random weights: entropies differ by token
@@ -74,7 +82,7 @@ def test_the_probe_entropy_is_a_plain_forwards_mean_token_entropy_on_fixed_demon
     with torch.no_grad():
         for i in range(len(rows)):
             p, c = pid[i][pmask[i].bool()], cid[i][cmask[i].bool()]
-            logits = policy(torch.cat([p, c])[None]).logits[0, len(p) - 1:-1]  # [tc, V]
+            logits = policy(torch.cat([p, c])[None]).logits[0, len(p) - 1 : -1]  # [tc, V]
             total += float(-(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).sum())
             count += len(c)
     first = probe_entropy(policy, tokenizer, task, batch_size=5)["eval/probe_entropy"]

@@ -2,6 +2,7 @@
 checkpoints), a resumed run lags as the uninterrupted one, a bf16 engine's numbers differ from
 the trainer's while a float32 one's agree to float rounding, and evaluation sees the trainer's
 current weights."""
+
 import json
 import shutil
 
@@ -29,7 +30,9 @@ def metrics(run_dir):
 
 
 def test_the_copy_holds_the_policy_k_updates_old():
-    policy, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32).build("0123+=", 0)
+    policy, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32).build(
+        "0123+=", 0
+    )
     engine = OffPolicy(policy, tok, staleness=2, dtype="bfloat16")
     assert engine.latest().policy is policy and next(engine.copy.parameters()).dtype == torch.bfloat16
     versions = [{k: v.to(torch.bfloat16) for k, v in policy.state_dict().items()}]
@@ -49,15 +52,23 @@ def test_the_copy_holds_the_policy_k_updates_old():
 
 
 def test_impossible_settings_are_refused():
-    policy, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32).build("01", 0)
+    policy, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32).build(
+        "01", 0
+    )
     for kw, msg in (({"staleness": -1}, "engine.staleness"), ({"dtype": "int8"}, "engine.dtype")):
         with pytest.raises(ConfigError, match=msg):
             OffPolicy(policy, tok, **kw)
 
 
 def test_a_stale_engine_samples_the_weights_of_k_updates_ago_and_resumes_them(tmp_path, cache):
-    over = ["steps=5", "engine=off_policy", "engine.staleness=2", "engine.dtype=bfloat16", "correction=tis",
-            "checkpoint.keep=5"]
+    over = [
+        "steps=5",
+        "engine=off_policy",
+        "engine.staleness=2",
+        "engine.dtype=bfloat16",
+        "correction=tis",
+        "checkpoint.keep=5",
+    ]
     run_dir = tmp_path / "run"
     run(make_cfg(over, cache_dir=cache), str(run_dir))
     ckpt = run_dir / "checkpoints"
@@ -80,7 +91,12 @@ def test_a_float32_engine_agrees_with_the_trainer_to_float_rounding(tmp_path, ca
     run(make_cfg(["steps=2", "engine=off_policy"], cache_dir=cache), str(tmp_path / "f32"))
     lines = metrics(tmp_path / "f32")[1:]
     # the KV-cache decoder sums in another order than the trainer's full forward: ~1e-7, not bitwise 0
-    assert all(l["offpolicy/lag"] == 0 and l["offpolicy/abs_log_ratio"] < 1e-5 and abs(l["offpolicy/k3"]) < 1e-9
-               and l["offpolicy/outside_frac"] == 0 for l in lines)
+    assert all(
+        l["offpolicy/lag"] == 0
+        and l["offpolicy/abs_log_ratio"] < 1e-5
+        and abs(l["offpolicy/k3"]) < 1e-9
+        and l["offpolicy/outside_frac"] == 0
+        for l in lines
+    )
     run(make_cfg(["steps=1"], cache_dir=cache), str(tmp_path / "exact"))
     assert not any(k.startswith("offpolicy/") for k in metrics(tmp_path / "exact")[1])  # the trainer's own engine

@@ -1,10 +1,12 @@
 """GSPO, CISPO and SAPO against hand-worked ratios, clipping and gradients; at ratio 1 every loss
 gives PPO's gradient; the options every loss shares."""
+
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import make_rollout
 from rlkit.aggregators import SeqMeanTokenMean
@@ -30,8 +32,13 @@ def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio():
     #        loss -s on each token; with per-sequence token-mean weights 1/(N |o|) each token's gradient is -s/(3*2)
     mask = [[1, 1, 0], [1, 1, 1]]
     weights = SeqMeanTokenMean().token_weights(torch.tensor(mask)).double()
-    L, g, stats = grads(GSPO(eps_low=0.05, eps_high=0.05), [[0.2, 0.0, 9.0], [0.0, -0.3, 0.0]],
-                        [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], mask, weights)
+    L, g, stats = grads(
+        GSPO(eps_low=0.05, eps_high=0.05),
+        [[0.2, 0.0, 9.0], [0.0, -0.3, 0.0]],
+        [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]],
+        mask,
+        weights,
+    )
     s1 = math.exp(-0.1)
     assert close(L, [[-1.05, -1.05, 0.0], [-s1, -s1, -s1]])
     assert close(g, [[0.0, 0.0, 0.0], [-s1 / 6] * 3])
@@ -41,14 +48,16 @@ def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio():
 
 def test_cispo_keeps_every_tokens_gradient_with_a_clipped_stopped_weight():
     # ratios 1.5, 0.5, 1.0 with A = 1, -1, 2; weight clip(r, 0, 1.28) = 1.28, 0.5, 1.0; d/dlogp = -weight * A
-    L, g, stats = grads(CISPO(eps_low=1.0, eps_high=0.28), [[math.log(1.5), math.log(0.5), 0.0]],
-                        [[1.0, -1.0, 2.0]], [[1, 1, 1]])
+    L, g, stats = grads(
+        CISPO(eps_low=1.0, eps_high=0.28), [[math.log(1.5), math.log(0.5), 0.0]], [[1.0, -1.0, 2.0]], [[1, 1, 1]]
+    )
     assert close(g, [[-1.28, 0.5, -2.0]])
     assert close(L, [[-1.28 * math.log(1.5), 0.5 * math.log(0.5), 0.0]])
     assert stats["clip_frac_high"].tolist() == [[True, False, False]]
     # PPO drops both outer tokens' gradients (positive A above the band, negative A below it)
-    assert close(grads(PPOClip(), [[math.log(1.5), math.log(0.5), 0.0]], [[1.0, -1.0, 2.0]], [[1, 1, 1]])[1],
-                 [[0.0, 0.0, -2.0]])
+    assert close(
+        grads(PPOClip(), [[math.log(1.5), math.log(0.5), 0.0]], [[1.0, -1.0, 2.0]], [[1, 1, 1]])[1], [[0.0, 0.0, -2.0]]
+    )
 
 
 def sigmoid(x):
@@ -96,13 +105,16 @@ def test_kl_in_the_reward_is_beta_times_the_estimate_and_stays_out_of_the_loss()
     assert not SAPO(beta=0.0, kl_placement="reward").kl_in_reward  # beta 0: no reference at all
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: PPOClip(eps_low=1.0), "loss.eps_low must be in"),
-    (lambda: GSPO(eps_high=-1), "loss.eps_high must be >= 0"),
-    (lambda: SAPO(tau_neg=0), "loss.tau_pos and loss.tau_neg must be > 0"),
-    (lambda: CISPO(kl_estimator="k9"), "loss.kl_estimator must be one of k1, k2, k3"),
-    (lambda: PPOClip(kl_placement="both"), "loss.kl_placement must be 'loss' or 'reward'"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: PPOClip(eps_low=1.0), "loss.eps_low must be in"),
+        (lambda: GSPO(eps_high=-1), "loss.eps_high must be >= 0"),
+        (lambda: SAPO(tau_neg=0), "loss.tau_pos and loss.tau_neg must be > 0"),
+        (lambda: CISPO(kl_estimator="k9"), "loss.kl_estimator must be one of k1, k2, k3"),
+        (lambda: PPOClip(kl_placement="both"), "loss.kl_placement must be 'loss' or 'reward'"),
+    ],
+)
 def test_bad_loss_options_are_named(make, message):
     with pytest.raises(ValueError, match=message):
         make()

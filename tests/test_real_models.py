@@ -1,5 +1,6 @@
 """Past the testbed: a saved Hugging Face model with a chat template, with and without LoRA; the
 math task scored by math-verify from JSON lines and Parquet files; weighted reward functions."""
+
 import json
 
 import pytest
@@ -15,7 +16,9 @@ from rlkit.setup import setup
 from rlkit.tasks.math import Math, last_boxed, reference_answer
 from rlkit.train import run
 
-CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+CHAT = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+)
 ALPHABET = "0123456789+=;<>abcdefghijklmnopqrstuvwxyz"
 
 
@@ -23,8 +26,9 @@ ALPHABET = "0123456789+=;<>abcdefghijklmnopqrstuvwxyz"
 def saved_model(tmp_path_factory):
     """A tiny Qwen2 and a character tokenizer with a chat template, saved as a user's checkpoint would be."""
     path = tmp_path_factory.mktemp("hf")
-    model, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                           max_position_embeddings=256).build(ALPHABET, 0)
+    model, tok = TinyQwen2(
+        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=256
+    ).build(ALPHABET, 0)
     tok.chat_template = CHAT
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -32,20 +36,25 @@ def saved_model(tmp_path_factory):
 
 
 def pretrained(path, *extra):
-    return make_cfg(["model=pretrained", f"model.path={path}", "warm_start.steps=0", "steps=2", "loss.beta=0.04",
-                     *extra])
+    return make_cfg(
+        ["model=pretrained", f"model.path={path}", "warm_start.steps=0", "steps=2", "loss.beta=0.04", *extra]
+    )
 
 
 def test_a_saved_model_trains_through_its_chat_template(saved_model, tmp_path):
     state = setup(pretrained(saved_model), str(tmp_path / "s"), {})
-    assert state.parts.task.train[0]["prompt"].startswith("<user>") and state.parts.task.train[0]["prompt"].endswith(">")
+    assert state.parts.task.train[0]["prompt"].startswith("<user>") and state.parts.task.train[0]["prompt"].endswith(
+        ">"
+    )
     assert run(pretrained(saved_model, "model.chat_template=false"), str(tmp_path / "plain"))["steps"] == 2
 
 
 def test_lora_trains_adapters_only_and_its_reference_is_the_same_model(saved_model, tmp_path):
     cfg = pretrained(saved_model, "model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "loss.entropy_coef=0.1")
     state = setup(cfg, str(tmp_path / "s"), {})
-    assert isinstance(state.parts.ref, AdaptersOff) and state.parts.ref.policy[0] is state.parts.policy  # no second copy
+    assert (
+        isinstance(state.parts.ref, AdaptersOff) and state.parts.ref.policy[0] is state.parts.policy
+    )  # no second copy
     assert sum(p.numel() for p in state.parts.ref.parameters()) == 0
     run(cfg, str(tmp_path / "run"))
     saved = load_file(tmp_path / "run" / "checkpoints" / "step_000002" / "policy" / "adapter_model.safetensors")
@@ -53,11 +62,16 @@ def test_lora_trains_adapters_only_and_its_reference_is_the_same_model(saved_mod
     base = load_file(saved_model / "model.safetensors")
     state = setup(cfg, str(tmp_path / "run2"), {})
     state.parts.model.load(state.parts.policy, tmp_path / "run" / "checkpoints" / "step_000002" / "policy")
-    merged = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
-              for k, v in state.parts.policy.state_dict().items() if "lora_" not in k}
+    merged = {
+        k.replace("base_model.model.", "").replace(".base_layer", ""): v
+        for k, v in state.parts.policy.state_dict().items()
+        if "lora_" not in k
+    }
     assert all(torch.equal(merged[k], v) for k, v in base.items() if k in merged)  # base weights untouched
     lora_b = [v for k, v in state.parts.policy.state_dict().items() if "lora_B" in k]
-    assert any(v.abs().sum() > 0 for v in lora_b)  # the adapters trained (lora_B starts at zero; the entropy bonus moves it)
+    assert any(
+        v.abs().sum() > 0 for v in lora_b
+    )  # the adapters trained (lora_B starts at zero; the entropy bonus moves it)
 
 
 def test_a_model_that_cannot_be_loaded_is_named(tmp_path):
@@ -71,8 +85,16 @@ def test_reference_answers_and_math_verify_by_hand(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"question": "half?", "answer": "so\n#### 0.5"}) + "\n")
     task = Math(str(tmp_path / "d.jsonl"), str(tmp_path / "d.jsonl"))
     row = task.train[0]
-    for answer, ok in ((r"\boxed{\frac{1}{2}}", 1.0), ("1/2", 1.0), ("it is 0.5", 1.0), (r"\boxed{0.50}", 1.0),
-                       ("3", 0.0), ("", 0.0), (r"\boxed{", 0.0), ("0.55", 0.0)):
+    for answer, ok in (
+        (r"\boxed{\frac{1}{2}}", 1.0),
+        ("1/2", 1.0),
+        ("it is 0.5", 1.0),
+        (r"\boxed{0.50}", 1.0),
+        ("3", 0.0),
+        ("", 0.0),
+        (r"\boxed{", 0.0),
+        ("0.55", 0.0),
+    ):
         assert task.reward(row, answer) == ok, answer
     assert task.step_metrics() == {"task/verify_timeouts": 0}
 
@@ -82,8 +104,16 @@ def test_math_task_trains_two_steps_from_local_files(tmp_path, fmt):
     rows = [{"question": f"{a}+{b}", "answer": f"{a}+{b}={a + b}\n#### {a + b}"} for a in range(6) for b in range(6)]
     path = tmp_path / f"train.{fmt}"
     Dataset.from_list(rows).to_json(path) if fmt == "json" else Dataset.from_list(rows).to_parquet(path)
-    cfg = make_cfg(["task=math", f"task.train={path}", f"task.eval={path}", f"task.format={fmt}",
-                    "task.prompt_template='{question}='", "warm_start.steps=0"])
+    cfg = make_cfg(
+        [
+            "task=math",
+            f"task.train={path}",
+            f"task.eval={path}",
+            f"task.format={fmt}",
+            "task.prompt_template='{question}='",
+            "warm_start.steps=0",
+        ]
+    )
     summary = run(cfg, str(tmp_path / "run"))
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and lines[1]["task/verify_timeouts"] == 0
@@ -94,7 +124,7 @@ def test_reward_terms_combine_by_sum_or_group_normalised_sum():
     parts = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
     assert combine(parts, [1.0, 0.5], 2, "sum").tolist() == [1.5, 0.5, 1.0, 1.5]
     # per group z-scores (sample std): accuracy (0.7071, -0.7071, 0, 0), format (0, 0, -0.7071, 0.7071)
-    z = 2 ** -0.5
+    z = 2**-0.5
     assert torch.allclose(combine(parts, [1.0, 0.5], 2, "normalise"), torch.tensor([z, -z, -z / 2, z / 2]))
     assert group_zscore(torch.tensor([3.0, 3.0]), 2).tolist() == [0.0, 0.0]
 

@@ -1,6 +1,6 @@
 """Reliability: kill -9 and resume, SIGTERM, non-finite guard, bad input, fuzzing, determinism."""
+
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException, HydraException
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from omegaconf.errors import OmegaConfBaseException
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -30,8 +31,15 @@ def metrics(run_dir):
 
 
 def command(run_dir, cache, *extra):
-    return [sys.executable, "-m", "rlkit.train", *FAST, f"warm_start.cache_dir={cache}", f"hydra.run.dir={run_dir}",
-            *extra]
+    return [
+        sys.executable,
+        "-m",
+        "rlkit.train",
+        *FAST,
+        f"warm_start.cache_dir={cache}",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def wait_for(cond, proc, timeout=180):
@@ -60,9 +68,15 @@ def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache
 
 def test_sigterm_writes_a_loadable_checkpoint_and_exits_distinctly(tmp_path, warm_cache):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(command(run_dir, warm_cache, "steps=200", "checkpoint.every=0", "eval.every=0"),
-                            stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) > 3, proc)
+    proc = subprocess.Popen(
+        command(run_dir, warm_cache, "steps=200", "checkpoint.every=0", "eval.every=0"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(
+        lambda: (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) > 3,
+        proc,
+    )
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == EXIT_PREEMPTED
     err = proc.stderr.read()
@@ -78,8 +92,16 @@ def policy_weights(run_dir, step):
 
 
 def test_a_planted_nan_skips_that_update_only(tmp_path, warm_cache):
-    cfg = make_cfg(["++advantage._target_=helpers.NaNOnCalls", "++advantage.calls=[2]", "steps=3",
-                    "checkpoint.keep=5", "loss.beta=0"], cache_dir=warm_cache)
+    cfg = make_cfg(
+        [
+            "++advantage._target_=helpers.NaNOnCalls",
+            "++advantage.calls=[2]",
+            "steps=3",
+            "checkpoint.keep=5",
+            "loss.beta=0",
+        ],
+        cache_dir=warm_cache,
+    )
     run(cfg, str(tmp_path))
     lines = metrics(tmp_path)
     assert lines[2].get("train/nonfinite_skipped") == 1 and "train/loss" not in lines[2]
@@ -92,8 +114,16 @@ def test_a_planted_nan_skips_that_update_only(tmp_path, warm_cache):
 
 
 def test_too_many_nans_in_a_row_stop_the_run_and_keep_the_good_checkpoint(tmp_path, warm_cache):
-    cfg = make_cfg(["++advantage._target_=helpers.NaNOnCalls", "++advantage.calls=[3,4,5,6]", "steps=6",
-                    "optim.max_nonfinite=2", "checkpoint.keep=9"], cache_dir=warm_cache)
+    cfg = make_cfg(
+        [
+            "++advantage._target_=helpers.NaNOnCalls",
+            "++advantage.calls=[3,4,5,6]",
+            "steps=6",
+            "optim.max_nonfinite=2",
+            "checkpoint.keep=9",
+        ],
+        cache_dir=warm_cache,
+    )
     with pytest.raises(NonFiniteError, match="2 non-finite updates in a row \\(last at step 4\\)"):
         run(cfg, str(tmp_path))
     good, after = policy_weights(tmp_path, 2), policy_weights(tmp_path, 4)
@@ -109,15 +139,21 @@ GOOD = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"}]
 
 
 def file_task(tmp_path, train, evals=GOOD):
-    return ["task=files", f"task.train_path={write_jsonl(tmp_path / 'train.jsonl', train)}",
-            f"task.eval_path={write_jsonl(tmp_path / 'eval.jsonl', evals)}"]
+    return [
+        "task=files",
+        f"task.train_path={write_jsonl(tmp_path / 'train.jsonl', train)}",
+        f"task.eval_path={write_jsonl(tmp_path / 'eval.jsonl', evals)}",
+    ]
 
 
-@pytest.mark.parametrize("train, message", [
-    (GOOD + [{"prompt": "4+4="}], r"task.train row 2 \('4\+4='\) has no answer"),
-    (GOOD + [{"prompt": "", "answer": "1"}], r"task.train row 2 has no prompt"),
-    ([{"question": "1+1=", "answer": "2"}], r"task.train has no 'prompt' column"),
-])
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        (GOOD + [{"prompt": "4+4="}], r"task.train row 2 \('4\+4='\) has no answer"),
+        (GOOD + [{"prompt": "", "answer": "1"}], r"task.train row 2 has no prompt"),
+        ([{"question": "1+1=", "answer": "2"}], r"task.train has no 'prompt' column"),
+    ],
+)
 def test_bad_rows_are_reported_before_training(tmp_path, train, message):
     with pytest.raises(TaskError, match=message):
         run(make_cfg(file_task(tmp_path, train)), str(tmp_path / "run"))
@@ -133,27 +169,37 @@ def test_file_task_trains_from_files_it_loads(tmp_path, warm_cache):
 def test_empty_split_is_reported(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(TaskError, match="task.eval|empty|cannot load"):
-        run(make_cfg(file_task(tmp_path, GOOD)[:2] + [f"task.eval_path={tmp_path / 'empty.jsonl'}"]), str(tmp_path / "r"))
+        run(
+            make_cfg(file_task(tmp_path, GOOD)[:2] + [f"task.eval_path={tmp_path / 'empty.jsonl'}"]),
+            str(tmp_path / "r"),
+        )
 
 
 def test_reward_function_that_raises_names_row_and_completion(tmp_path, warm_cache, monkeypatch):
     import helpers
     from rlkit.tasks.arithmetic import Arithmetic
+
     monkeypatch.setattr(Arithmetic, "reward", staticmethod(helpers.raising_reward))
-    with pytest.raises(TaskError, match=r"reward function raised on row \d+ \(prompt '.*', completion '1.*'\): KeyError"):
+    with pytest.raises(
+        TaskError, match=r"reward function raised on row \d+ \(prompt '.*', completion '1.*'\): KeyError"
+    ):
         run(make_cfg(["steps=3", "warm_start.steps=0", "rollout.temperature=2.0"], cache_dir=warm_cache), str(tmp_path))
 
 
 def test_reward_that_is_not_a_number_is_reported(tmp_path, warm_cache, monkeypatch):
     from rlkit.tasks.arithmetic import Arithmetic
+
     monkeypatch.setattr(Arithmetic, "reward", lambda self, row, text: "yes")
     with pytest.raises(TaskError, match=r"reward function returned 'yes' for row 0"):
         run(make_cfg([], cache_dir=warm_cache), str(tmp_path))
 
 
 def test_prompt_longer_than_the_context_is_reported(tmp_path):
-    with pytest.raises(ConfigError, match=r"task.train row \d+ has a prompt of 4 tokens; with "
-                                          r"rollout.max_new_tokens=12 it exceeds the model's context of 10"):
+    with pytest.raises(
+        ConfigError,
+        match=r"task.train row \d+ has a prompt of 4 tokens; with "
+        r"rollout.max_new_tokens=12 it exceeds the model's context of 10",
+    ):
         run(make_cfg(["++model.max_position_embeddings=10"]), str(tmp_path))
 
 
@@ -228,15 +274,26 @@ FIELDS = ["1+1=", "2+3=", "é+1=", "", "12", 7, 3.5, None, "ü"]
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.sampled_from(["ok", "n", "n1", "pg", "raise"]),
-       st.lists(st.tuples(st.sampled_from(FIELDS), st.sampled_from(FIELDS)), min_size=1, max_size=4))
+@given(
+    st.sampled_from(["ok", "n", "n1", "pg", "raise"]),
+    st.lists(st.tuples(st.sampled_from(FIELDS), st.sampled_from(FIELDS)), min_size=1, max_size=4),
+)
 def test_fuzzed_plugins_and_data_files_run_or_fail_with_rlkits_message(tmp_path_factory, shape, rows):
     """Plugin estimators with wrong output shapes, and data files with numeric, empty and non-ASCII
     fields: each example runs or stops with rlkit's own error, never a traceback from deep inside."""
     run_dir = tmp_path_factory.mktemp("fuzz")
     data = [{"prompt": p, "answer": a} for p, a in rows]
-    plugin = [] if shape == "ok" else ["++advantage._target_=helpers.WrongShape", f"++advantage.shape={shape}",
-                                       "~advantage.std", "~advantage.eps", "~advantage.std_scope"]
+    plugin = (
+        []
+        if shape == "ok"
+        else [
+            "++advantage._target_=helpers.WrongShape",
+            f"++advantage.shape={shape}",
+            "~advantage.std",
+            "~advantage.eps",
+            "~advantage.std_scope",
+        ]
+    )
     try:
         run(make_cfg(["steps=1", *plugin, *file_task(run_dir, data + GOOD, data)]), str(run_dir / "run"))
         assert shape == "ok"

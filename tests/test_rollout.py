@@ -1,18 +1,21 @@
 """Generation with a KV cache and left padding, masks, and log-probs, on a real tiny Qwen2."""
+
 import pytest
 import torch
 
 from rlkit.aggregators import SeqMeanTokenMean
-from rlkit.models import TinyQwen2
 from rlkit.engines.kv_cache import encode_prompts, generate
 from rlkit.logprobs import token_logprobs
-from rlkit.types import Rollout
+from rlkit.models import TinyQwen2
 from rlkit.tasks.arithmetic import ALPHABET
+from rlkit.types import Rollout
 
 
 @pytest.fixture(scope="module")
 def model_tok():
-    model, tok = TinyQwen2(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64).build(ALPHABET, 0)
+    model, tok = TinyQwen2(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64).build(
+        ALPHABET, 0
+    )
     return model.eval(), tok
 
 
@@ -31,7 +34,7 @@ def test_masks_include_eos_and_stop_per_row(model_tok):
         if tr:
             assert eos not in row[:n] and n == 10
         else:
-            assert row[n - 1] == eos and eos not in row[:n - 1]  # EOS included, first EOS ends the row
+            assert row[n - 1] == eos and eos not in row[: n - 1]  # EOS included, first EOS ends the row
 
 
 def test_greedy_with_cache_matches_full_forward_without_cache(model_tok):
@@ -42,7 +45,7 @@ def test_greedy_with_cache_matches_full_forward_without_cache(model_tok):
         for _ in range(int(m.sum())):
             nxt = model(input_ids=seq).logits[0, -1].argmax()
             seq = torch.cat([seq, nxt.view(1, 1)], 1)
-        assert seq[0, -int(m.sum()):].tolist() == row[: int(m.sum())].tolist()
+        assert seq[0, -int(m.sum()) :].tolist() == row[: int(m.sum())].tolist()
 
 
 def test_logprobs_match_log_softmax_of_unpadded_sequence(model_tok):
@@ -53,7 +56,7 @@ def test_logprobs_match_log_softmax_of_unpadded_sequence(model_tok):
     for i, p in enumerate(PROMPTS):
         n = int(cmask[i].sum())
         seq = torch.cat([tok(p, return_tensors="pt")["input_ids"][0], cid[i, :n]])[None]
-        full = torch.log_softmax(model(input_ids=seq).logits[0, -n - 1:-1] / 0.7, -1)  # [n, V]
+        full = torch.log_softmax(model(input_ids=seq).logits[0, -n - 1 : -1] / 0.7, -1)  # [n, V]
         assert torch.allclose(logp[i, :n], full.gather(-1, cid[i, :n, None]).squeeze(-1), atol=1e-5)
         assert torch.allclose(ent[i, :n], -(full.exp() * full).sum(-1), atol=1e-5)
 
@@ -88,8 +91,18 @@ def test_rollout_cat_and_select_groups(model_tok):
     parts = []
     for prompts in (PROMPTS[:2], PROMPTS[2:]):
         pid, pmask, cid, cmask, tr = generate(model, tok, [p for p in prompts for _ in range(2)], 4 + len(parts))[:5]
-        parts.append(Rollout(pid, pmask, cid, cmask, tr, 2, texts=[p for p in prompts for _ in range(2)],
-                             rewards=torch.arange(4.0) + 10 * len(parts)))
+        parts.append(
+            Rollout(
+                pid,
+                pmask,
+                cid,
+                cmask,
+                tr,
+                2,
+                texts=[p for p in prompts for _ in range(2)],
+                rewards=torch.arange(4.0) + 10 * len(parts),
+            )
+        )
     r = Rollout.cat(parts)
     assert r.num_groups == 4 and r.prompt_ids.shape[0] == 8
     assert r.texts == [p for p in PROMPTS for _ in range(2)]
@@ -97,7 +110,7 @@ def test_rollout_cat_and_select_groups(model_tok):
     assert kept.rewards.tolist() == [12.0, 13.0, 0.0, 1.0] and kept.texts[0] == PROMPTS[3]
     # re-padding keeps each row's tokens
     ids, _ = encode_prompts(tok, PROMPTS[3:])
-    assert kept.prompt_ids[0, -ids.shape[1]:].tolist() == ids[0].tolist()
+    assert kept.prompt_ids[0, -ids.shape[1] :].tolist() == ids[0].tolist()
 
 
 def test_entropy_carries_a_gradient_only_when_asked(model_tok):

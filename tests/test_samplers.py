@@ -1,6 +1,7 @@
 """Samplers: uniform order and state, and DAPO dynamic sampling. `make_rollout` is a callback
 here that returns real `Rollout` objects with chosen rewards (no model is needed to test which
 groups the sampler keeps)."""
+
 import torch
 from datasets import Dataset
 
@@ -32,6 +33,7 @@ def scripted(batches):
         r = make_rollout(rewards, 2)
         r.rows = [row for row in rows for _ in range(2)]
         return r
+
     return make, calls
 
 

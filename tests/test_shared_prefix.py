@@ -1,9 +1,11 @@
 """Each group's prompt computed once: the shared-prefix forward gives the log-probs, entropies and
 gradients of the unshared one, for groups of different prompt lengths, groups of one, any
 micro-batch split and LoRA; a model it cannot apply to runs unshared and says so once."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlkit import logprobs
@@ -19,7 +21,8 @@ PROMPTS = ["1+1=2;" * 6 + "12+3=", "2+2=4;3+1=4;" * 2 + "1+2+34+5=", "5+5=10;" *
 def model():
     torch.manual_seed(0)
     return TinyQwen2(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128).build(
-        "0123456789+=;", 0)
+        "0123456789+=;", 0
+    )
 
 
 def rollout(model, group_sizes):
@@ -84,8 +87,10 @@ def test_any_micro_batch_split_gives_the_same_gradient(model, order, cut):
 
 
 def test_lora_adapters_get_the_same_gradient(model, tmp_path):
-    from peft import LoraConfig, get_peft_model
     import copy
+
+    from peft import LoraConfig, get_peft_model
+
     policy = get_peft_model(copy.deepcopy(model[0]), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8))
     with torch.no_grad():
         for n, p in policy.named_parameters():

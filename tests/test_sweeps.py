@@ -1,4 +1,5 @@
 """Sweeps and comparison: Hydra multirun, launcher configs, wandb offline files, rlkit-compare."""
+
 import json
 import math
 import re
@@ -18,10 +19,24 @@ from wandb_files import read_records
 
 
 def test_multirun_over_two_variants_writes_two_run_directories(tmp_path, warm_cache):
-    out = subprocess.run([sys.executable, "-m", "rlkit.train", "-m", "advantage=grpo,rloo", "seed=0", *FAST,
-                          "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-                          f"warm_start.cache_dir={warm_cache}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlkit.train",
+            "-m",
+            "advantage=grpo,rloo",
+            "seed=0",
+            *FAST,
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            f"warm_start.cache_dir={warm_cache}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.jsonl"))
     assert [p.name[:16] for p in runs] == ["0_advantage=grpo", "1_advantage=rloo"]  # named by overrides
@@ -31,9 +46,14 @@ def test_multirun_over_two_variants_writes_two_run_directories(tmp_path, warm_ca
         assert [json.loads(l)["step"] for l in (p / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("launcher, target", [("joblib", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"),
-                                              ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
-                                              ("slurm_ddp", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")])
+@pytest.mark.parametrize(
+    "launcher, target",
+    [
+        ("joblib", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"),
+        ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+        ("slurm_ddp", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+    ],
+)
 def test_launcher_configs_compose(launcher, target):
     with initialize_config_module(config_module="rlkit.conf", version_base=None):
         cfg = compose("config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
@@ -57,12 +77,18 @@ def test_offline_wandb_run_holds_config_history_and_samples(tmp_path, monkeypatc
     wandb.teardown()  # wandb's service closes the .wandb file up to ~0.1 s after run.finish(); wait for it
     [data] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     records = read_records(data)
-    updates = [r.run.config.update if r.HasField("run") else r.config.update for r in records
-               if r.HasField("run") or r.HasField("config")]
+    updates = [
+        r.run.config.update if r.HasField("run") else r.config.update
+        for r in records
+        if r.HasField("run") or r.HasField("config")
+    ]
     config = {i.key: json.loads(i.value_json) for u in updates for i in u}
     assert config["advantage"] == "grpo" and config["loss.beta"] == 0.04 and config["rollout.group_size"] == 4
-    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-               for r in records if r.HasField("history")]
+    history = [
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.HasField("history")
+    ]
     steps = [h["_step"] for h in history]
     assert steps == [0, 1, 2, 3]
     local = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -121,12 +147,17 @@ def test_compare_groups_by_config_keys_and_names_missing_ones(tmp_path, capsys):
 
 def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch, warm_cache):
     import torch
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     ids = []
     for steps in (2, 4):
-        run(make_cfg(["logger=wandb", f"steps={steps}", "checkpoint.keep=5"], cache_dir=warm_cache),
-            str(tmp_path / "run"))
-        state = torch.load(tmp_path / "run" / "checkpoints" / f"step_{steps:06d}" / "trainer_state.pt", weights_only=False)
+        run(
+            make_cfg(["logger=wandb", f"steps={steps}", "checkpoint.keep=5"], cache_dir=warm_cache),
+            str(tmp_path / "run"),
+        )
+        state = torch.load(
+            tmp_path / "run" / "checkpoints" / f"step_{steps:06d}" / "trainer_state.pt", weights_only=False
+        )
         ids.append(state["run_id"])
     assert ids[0] and ids[0] == ids[1]  # the resumed process logged to the same wandb run
     # offline-run-<date>_<time>-<id>, plus "-1" when both sessions started within the same second

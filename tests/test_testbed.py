@@ -1,8 +1,8 @@
 """Built-in testbed: tokenizer round trip, task rewards and data checks, warm-start cache."""
+
 import random
 
 import pytest
-import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
 
@@ -18,7 +18,9 @@ def test_tokenizer_round_trip(tmp_path):
     assert len(ids) == len(text) and tok.decode(ids) == text
     tok.save_pretrained(tmp_path)
     again = AutoTokenizer.from_pretrained(tmp_path)
-    assert again(text)["input_ids"] == ids and again.decode(ids + [again.eos_token_id], skip_special_tokens=True) == text
+    assert (
+        again(text)["input_ids"] == ids and again.decode(ids + [again.eos_token_id], skip_special_tokens=True) == text
+    )
     assert tok.decode(tok("9x")["input_ids"], skip_special_tokens=True) == "9"  # unknown char -> <unk>
 
 

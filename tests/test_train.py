@@ -1,10 +1,12 @@
 """End to end on the built-in testbed: a real tiny model, Hydra config, checkpoints."""
+
 import json
 
 import pytest
 import torch
 from hydra.utils import instantiate
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlkit.config import resolved
@@ -23,10 +25,27 @@ def test_a_few_steps_change_the_weights_and_write_loadable_checkpoints(fast_cfg,
     summary = run(cfg, str(run_dir))
     lines = read_metrics(run_dir)
     assert [l["step"] for l in lines] == [0, 1, 2, 3]
-    for key in ("train/reward", "train/reward_std", "train/frac_zero_std_groups", "train/completion_len", "train/kl",
-                "train/entropy", "train/clip_frac_low", "train/clip_frac_high", "train/grad_norm",
-                "time/generate", "time/update", "time/step", "perf/tokens_per_s", "eval/accuracy",
-                "eval/len_correct", "eval/len_incorrect", "eval/acc_d2", "train/acc_d2", "weight/share_d2"):
+    for key in (
+        "train/reward",
+        "train/reward_std",
+        "train/frac_zero_std_groups",
+        "train/completion_len",
+        "train/kl",
+        "train/entropy",
+        "train/clip_frac_low",
+        "train/clip_frac_high",
+        "train/grad_norm",
+        "time/generate",
+        "time/update",
+        "time/step",
+        "perf/tokens_per_s",
+        "eval/accuracy",
+        "eval/len_correct",
+        "eval/len_incorrect",
+        "eval/acc_d2",
+        "train/acc_d2",
+        "weight/share_d2",
+    ):
         assert key in lines[1], key
     assert lines[1]["train/gen_tokens"] == sum(l["train/completion_len"] for l in lines[1:2]) * 16  # 4 prompts x 4
     assert summary["accuracy_before"] == lines[0]["eval/accuracy"]
@@ -37,15 +56,16 @@ def test_a_few_steps_change_the_weights_and_write_loadable_checkpoints(fast_cfg,
     # the same model built and warm-started from the same config (from the cache), before RL
     task = instantiate(cfg.task)
     start, tok0 = instantiate(cfg.model).build(task.alphabet, cfg.seed)
-    assert not warm_start(start, tok0, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)})["trained"]
+    assert not warm_start(
+        start, tok0, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)}
+    )["trained"]
     moved = [not torch.equal(a, b) for a, b in zip(start.state_dict().values(), model.state_dict().values())]
     assert any(moved)
     assert len(list((run_dir / "checkpoints").glob("step_*"))) == cfg.checkpoint.keep  # older ones pruned
 
 
 def test_several_updates_per_rollout_use_stored_old_logprobs(fast_cfg, tmp_path):
-    run(fast_cfg("optim.epochs=2", "optim.mini_batches=2", "optim.micro_batch_size=3", "loss.beta=0"),
-        str(tmp_path))
+    run(fast_cfg("optim.epochs=2", "optim.mini_batches=2", "optim.micro_batch_size=3", "loss.beta=0"), str(tmp_path))
     lines = read_metrics(tmp_path)
     assert "train/kl" not in lines[1]  # beta 0: no reference model
     assert lines[2]["train/ratio_dev"] > 0  # later passes see a ratio away from 1
@@ -61,8 +81,10 @@ def test_resume_continues_from_the_last_checkpoint(fast_cfg, tmp_path):
 
 
 def test_resume_with_a_different_config_is_refused_naming_the_keys(fast_cfg, tmp_path):
-    from rlkit.config import ConfigError
     import pytest
+
+    from rlkit.config import ConfigError
+
     run(fast_cfg("steps=2"), str(tmp_path))
     with pytest.raises(ConfigError, match="written with different model, loss"):
         run(fast_cfg("steps=4", "model.hidden_size=32", "loss.beta=0.1"), str(tmp_path))
@@ -83,7 +105,10 @@ def test_pretrained_model_loads_from_a_path(fast_cfg, tmp_path):
     """model=pretrained goes through from_pretrained on a directory the test writes."""
     from rlkit.models import TinyQwen2
     from rlkit.tasks.arithmetic import ALPHABET
-    model, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64).build(ALPHABET, 0)
+
+    model, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64).build(
+        ALPHABET, 0
+    )
     model.save_pretrained(tmp_path / "hf")
     tok.save_pretrained(tmp_path / "hf")
     cfg = fast_cfg("model=pretrained", f"model.path={tmp_path / 'hf'}", "warm_start.steps=0", "steps=1")
@@ -101,9 +126,10 @@ def test_the_shuffled_reward_control_permutes_the_steps_rewards(fast_cfg, tmp_pa
         run(fast_cfg("steps=1", f"reward.shuffle={shuffle}", "samples_every=1"), str(d))
         logs[shuffle] = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()][1]
         logs[shuffle, "samples"] = json.loads((d / "samples.jsonl").read_text().splitlines()[0])["samples"]
+
     def mismatched(samples):  # completions whose reward is not their own answer's score
-        return sum(s["reward"] != float(s["completion"].split(";")[-1] == str(eval(s["prompt"][:-1])))
-                   for s in samples)
+        return sum(s["reward"] != float(s["completion"].split(";")[-1] == str(eval(s["prompt"][:-1]))) for s in samples)
+
     plain = logs["none"]
     assert mismatched(logs["none", "samples"]) == 0
     for shuffle in ("true", "group"):
@@ -128,5 +154,6 @@ def test_a_within_group_permutation_keeps_each_groups_rewards(groups, size, seed
 
 def test_adam_epsilon_reaches_the_optimizer(fast_cfg, tmp_path):
     from rlkit.setup import setup
+
     state = setup(fast_cfg("optim.eps=0.5"), str(tmp_path), {})
     assert [g["eps"] for g in state.parts.optimizer.param_groups] == [0.5]

@@ -1,4 +1,5 @@
 """Every algo preset and every group option composes and runs two steps; the plugin route works."""
+
 import json
 import os
 import subprocess
@@ -21,7 +22,12 @@ def options(group):
 
 def test_every_group_has_the_documented_options():
     assert options("advantage") == ["dr_grpo", "gae", "grpo", "process", "rloo"]
-    assert options("aggregator") == ["seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_mean"]
+    assert options("aggregator") == [
+        "seq_mean_token_mean",
+        "seq_mean_token_sum",
+        "seq_mean_token_sum_norm",
+        "token_mean",
+    ]
     assert options("sampler") == ["dapo", "uniform"]
     assert options("algo") == ["dapo", "dr_grpo", "grpo", "luspo", "ppo", "rloo"]
     assert options("loss") == ["cispo", "clip_cov", "gmpo", "gspo", "kl_cov", "ppo_clip", "sapo", "vespo"]
@@ -35,9 +41,11 @@ def cache(tmp_path_factory):
 
 
 OFF_POLICY = "engine=off_policy engine.staleness=1 engine.dtype=bfloat16 optim.mini_batches=2"  # corrections act
-CASES = ([f"algo={a}" for a in options("algo")] + [f"{g}={o}" for g in ("advantage", "aggregator", "sampler", "loss")
-                                                    for o in options(g)]
-         + [f"correction={o} {OFF_POLICY}" for o in options("correction")])
+CASES = (
+    [f"algo={a}" for a in options("algo")]
+    + [f"{g}={o}" for g in ("advantage", "aggregator", "sampler", "loss") for o in options(g)]
+    + [f"correction={o} {OFF_POLICY}" for o in options("correction")]
+)
 
 
 @pytest.mark.parametrize("overrides", CASES)
@@ -66,15 +74,34 @@ def test_ppo_logs_critic_metrics(cache, tmp_path):
 
 def test_dynamic_sampling_with_groups_of_one_is_refused_early(tmp_path):
     from rlkit.config import ConfigError
+
     with pytest.raises(ConfigError, match="sampler=rlkit.samplers.DynamicSampling needs rollout.group_size >= 2"):
         run(make_cfg(["algo=ppo", "sampler=dapo", "rollout.group_size=1"]), str(tmp_path))
 
 
 def cli(args, tmp_path, **env):
-    return subprocess.run([sys.executable, "-m", "rlkit.train", *args, "steps=1", "warm_start.steps=0", "eval.every=0",
-                           "logger=jsonl", "task.n_train=32", "task.n_eval=8", "rollout.prompts_per_step=2",
-                           "rollout.group_size=2", "model.num_layers=1", f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlkit.train",
+            *args,
+            "steps=1",
+            "warm_start.steps=0",
+            "eval.every=0",
+            "logger=jsonl",
+            "task.n_train=32",
+            "task.n_eval=8",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "model.num_layers=1",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
 
 
 def test_installed_style_plugin_is_found_by_its_search_path_plugin(tmp_path):
@@ -85,8 +112,9 @@ def test_installed_style_plugin_is_found_by_its_search_path_plugin(tmp_path):
 
 def test_plugin_by_hydra_searchpath(tmp_path):
     """The README's 'Write a plugin' example, written out by the test."""
-    pkg, conf = write_plugin(tmp_path / "src", "my_estimators", SIGN_ONLY, "advantage", "sign",
-                             "_target_: my_estimators.SignOnly\n")
+    pkg, conf = write_plugin(
+        tmp_path / "src", "my_estimators", SIGN_ONLY, "advantage", "sign", "_target_: my_estimators.SignOnly\n"
+    )
     out = cli(["advantage=sign", f"hydra.searchpath=[file://{conf}]"], tmp_path / "run", PYTHONPATH=str(pkg))
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])["train/num_rows"] == 4

@@ -1,5 +1,6 @@
 """Read an offline wandb run's `.wandb` file: a LevelDB-style log of protobuf `Record`s, parsed
 with wandb's own protobuf classes (wandb 0.19+ ships no Python reader for it)."""
+
 import struct
 from pathlib import Path
 
@@ -18,11 +19,11 @@ def read_records(path: Path) -> list:
         if left < HEADER:  # block trailer padding
             pos += left
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
         if kind == 0:  # zero padding to the end of the block
             pos += left
             continue
-        buf += data[pos + HEADER:pos + HEADER + length]
+        buf += data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind in (FULL, LAST):
             record = pb.Record()

@@ -5,6 +5,7 @@ final-value comparison).
 
     python experiments/difficulty_bias/analyse.py multirun/.../difficulty_bias
 """
+
 import json
 import sys
 from collections import defaultdict
@@ -30,8 +31,10 @@ def per_run(root: Path, only_step: int | None = None) -> dict:
 
 
 def table(runs: dict, title: str) -> None:
-    keys = sorted({k for seeds in runs.values() for m in seeds.values() for k in m},
-                  key=lambda k: (k.split("_d")[0], int(k.split("_d")[1])))
+    keys = sorted(
+        {k for seeds in runs.values() for m in seeds.values() for k in m},
+        key=lambda k: (k.split("_d")[0], int(k.split("_d")[1])),
+    )
     print(f"| {title} | dr_grpo | grpo | grpo - dr_grpo (95% CI, paired by seed) |")
     print("|---|---|---|---|")
     for k in keys:

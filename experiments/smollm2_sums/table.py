@@ -3,6 +3,7 @@
     python experiments/smollm2_sums/table.py
 
 Each run's `metrics.jsonl` is kept as runs/<arm>_seed<k>.jsonl (`--save RUN_DIR ARM SEED` copies one)."""
+
 from __future__ import annotations
 
 import json

@@ -9,6 +9,7 @@ by about lr; the W30 probes' shuffled control moved its weights 2.0e-4 RMS in 40
 `--moved` compares a run's last checkpoint with the warm start it began from (RMS and largest
 change over every weight), to set the sigmas above beside what RL actually did.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -26,8 +27,17 @@ KEYS = ("eval/accuracy", "eval/acc_hard", "eval/mean@2", "eval/mean@2_hard")
 def main(overrides: list[str]) -> None:
     torch.set_num_threads(1)
     with initialize_config_module(config_module="rlkit.conf", version_base=None):
-        cfg = compose(config_name="config", overrides=["+experiment=wide_testbed", "logger=jsonl", "threads=1",
-                                                       "eval.every=0", "checkpoint.every=0", *(overrides or W30)])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "+experiment=wide_testbed",
+                "logger=jsonl",
+                "threads=1",
+                "eval.every=0",
+                "checkpoint.every=0",
+                *(overrides or W30),
+            ],
+        )
     parts = setup(cfg, "outputs/perturb", {}).parts
     parts.task.eval = parts.task.eval.select(range(256))
     base = {k: v.clone() for k, v in parts.policy.named_parameters()}
@@ -44,8 +54,10 @@ def main(overrides: list[str]) -> None:
 
 def moved(run_dir: Path) -> str:
     from safetensors.torch import load_file
-    start = torch.load(Path(json.loads((run_dir / "run.json").read_text())["warm_start"]["cache"]) / "weights.pt",
-                       weights_only=True)
+
+    start = torch.load(
+        Path(json.loads((run_dir / "run.json").read_text())["warm_start"]["cache"]) / "weights.pt", weights_only=True
+    )
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     end = load_file(str(last / "policy" / "model.safetensors"))
     d = torch.cat([(end[k] - start[k]).flatten() for k in end])  # [weights]

@@ -9,6 +9,7 @@ goes through `HFForward`,
 the model's own forward with a `DynamicCache`. Both give the model's logits (tested against
 `model.generate`); `rlkit.engines.kv_cache.generate` drives either.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -39,15 +40,26 @@ class HFForward:
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def prefill(self) -> torch.Tensor:
-        mask = self.mask[:, :self.len]  # [N, Tp]
-        out = self.model(input_ids=self.ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
-                         logits_to_keep=1, **{self.cache_kw: self.cache})
+        mask = self.mask[:, : self.len]  # [N, Tp]
+        out = self.model(
+            input_ids=self.ids,
+            attention_mask=mask,
+            position_ids=positions(mask),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: self.cache},
+        )
         return out.logits[:, -1].float()  # [N, V]
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         self.len, self.pos = self.len + 1, self.pos + 1
-        out = self.model(input_ids=tok[:, None], attention_mask=self.mask[:, :self.len], position_ids=self.pos,
-                         use_cache=True, **{self.cache_kw: self.cache})
+        out = self.model(
+            input_ids=tok[:, None],
+            attention_mask=self.mask[:, : self.len],
+            position_ids=self.pos,
+            use_cache=True,
+            **{self.cache_kw: self.cache},
+        )
         return out.logits[:, -1].float()  # [n, V]
 
     def keep(self, idx: torch.Tensor) -> None:
@@ -122,10 +134,16 @@ class Lean:
             if hasattr(a, "q_norm"):  # qwen3
                 q, k = norm(a.q_norm, q), norm(a.k_norm, k)
             q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [n, h, s, hd], [n, kvh, s, hd]
-            self.k[i][:, :, lo:self.len] = k
-            self.v[i][:, :, lo:self.len] = h[..., k_end:].view(n, s, self.kv_heads, self.hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, self.k[i][:, :, :self.len], self.v[i][:, :, :self.len],
-                                               attn_mask=attn_mask, scale=a.scaling, enable_gqa=True)  # [n, h, s, hd]
+            self.k[i][:, :, lo : self.len] = k
+            self.v[i][:, :, lo : self.len] = h[..., k_end:].view(n, s, self.kv_heads, self.hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q,
+                self.k[i][:, :, : self.len],
+                self.v[i][:, :, : self.len],
+                attn_mask=attn_mask,
+                scale=a.scaling,
+                enable_gqa=True,
+            )  # [n, h, s, hd]
             x = x + self.out[i](o.transpose(1, 2).reshape(n, s, -1))  # [n, s, H]
             g, u = self.gate_up[i](norm(layer.post_attention_layernorm, x)).chunk(2, -1)  # [n, s, I] each
             x = x + self.down[i](layer.mlp.act_fn(g) * u)
@@ -142,7 +160,7 @@ class Lean:
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         self.len, self.pos = self.len + 1, self.pos + 1
-        h = self._forward(tok[:, None], self.pos[:, None], self.mask[:, None, None, :self.len])  # [n, H]
+        h = self._forward(tok[:, None], self.pos[:, None], self.mask[:, None, None, : self.len])  # [n, H]
         return self.lm_head(h).float()  # [n, V]
 
     def keep(self, idx: torch.Tensor) -> None:

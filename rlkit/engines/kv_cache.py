@@ -1,6 +1,7 @@
 """The built-in engine: the trainer's own model, sampled with a batched KV-cache loop. Prompt
 encoding, sampling (temperature, top-p) and the decode loop live here; the decoders (lean
 Llama-family path, or the model's own forward) in `rlkit.engines.decoders`."""
+
 from __future__ import annotations
 
 import torch
@@ -24,14 +25,16 @@ class KVCache(Engine):
     def __init__(self, policy: torch.nn.Module, tokenizer, min_new_tokens: int = 0):
         self.policy, self.tokenizer, self.min_new_tokens = policy, tokenizer, min_new_tokens
 
-    def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0) -> Generation:
+    def generate(
+        self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+    ) -> Generation:
         was_training = self.policy.training
         self.policy.eval()
         try:
             with parallel.full_weights(self.policy):  # a sharded policy is gathered once for the whole call
-                return generate(self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p,
-                                self.min_new_tokens)
+                return generate(
+                    self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p, self.min_new_tokens
+                )
         finally:
             self.policy.train(was_training)
 
@@ -59,8 +62,17 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, min_new_tokens: int = 0, lean: bool = True, logprobs: bool = False) -> Generation:
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    min_new_tokens: int = 0,
+    lean: bool = True,
+    logprobs: bool = False,
+) -> Generation:
     """Sample one completion per prompt with a KV cache (a prompt given several times is prefilled
     once and its cache copied to each of its rows); each row stops at its EOS (never before
     `min_new_tokens`) and leaves the batch soon after (once an eighth of the rows present have

@@ -1,6 +1,7 @@
 """An engine whose numbers are not the trainer's, on one process: the semantics of an asynchronous
 pipeline (rollouts from a policy k updates old) and of a lower-precision inference engine (bf16
 kernels), exactly, with the log-probs it sampled with carried in the rollout."""
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def snapshot(model: torch.nn.Module, dtype: torch.dtype) -> dict:
     """A detached copy of `model`'s weights, floating-point tensors cast to `dtype`."""
-    return {k: v.detach().to(dtype if v.is_floating_point() else v.dtype, copy=True)
-            for k, v in model.state_dict().items()}
+    return {
+        k: v.detach().to(dtype if v.is_floating_point() else v.dtype, copy=True) for k, v in model.state_dict().items()
+    }
 
 
 class OffPolicy(KVCache):
@@ -36,12 +38,17 @@ class OffPolicy(KVCache):
 
     exact_logprobs = False
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, staleness: int = 0, dtype: str = "float32",
-                 min_new_tokens: int = 0):
-        require(isinstance(staleness, int) and staleness >= 0, f"engine.staleness must be an int >= 0, got {staleness!r}")
+    def __init__(
+        self, policy: torch.nn.Module, tokenizer, staleness: int = 0, dtype: str = "float32", min_new_tokens: int = 0
+    ):
+        require(
+            isinstance(staleness, int) and staleness >= 0, f"engine.staleness must be an int >= 0, got {staleness!r}"
+        )
         require(dtype in DTYPES, f"engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        require(not parallel.is_sharded(policy), "engine=off_policy keeps a whole copy of the policy on each process; "
-                "use parallel=replicate")
+        require(
+            not parallel.is_sharded(policy),
+            "engine=off_policy keeps a whole copy of the policy on each process; use parallel=replicate",
+        )
         super().__init__(policy, tokenizer, min_new_tokens)
         self.staleness, self.dtype = staleness, DTYPES[dtype]
         self.copy = copy.deepcopy(policy).to(self.dtype).eval().requires_grad_(False)
@@ -49,10 +56,19 @@ class OffPolicy(KVCache):
         self.version = self.trainer_version = 0
         self._latest = KVCache(policy, tokenizer, min_new_tokens)
 
-    def generate(self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0) -> Generation:
-        return generate(self.copy, self.tokenizer, prompts, max_new_tokens, temperature, top_p, self.min_new_tokens,
-                        logprobs=temperature > 0)
+    def generate(
+        self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+    ) -> Generation:
+        return generate(
+            self.copy,
+            self.tokenizer,
+            prompts,
+            max_new_tokens,
+            temperature,
+            top_p,
+            self.min_new_tokens,
+            logprobs=temperature > 0,
+        )
 
     def load_weights(self, policy: torch.nn.Module) -> None:
         self.trainer_version += 1
@@ -70,8 +86,12 @@ class OffPolicy(KVCache):
         return self.trainer_version - self.version
 
     def state_dict(self) -> dict:
-        return {"weights": snapshot(self.copy, self.dtype), "queue": list(self.queue), "version": self.version,
-                "trainer_version": self.trainer_version}
+        return {
+            "weights": snapshot(self.copy, self.dtype),
+            "queue": list(self.queue),
+            "version": self.version,
+            "trainer_version": self.trainer_version,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.copy.load_state_dict(state["weights"])

@@ -4,8 +4,19 @@ the object chosen at start-up (one process, replicated, sharded) that wraps the 
 gradients, saves and loads the policy and checks its own config. `collectives`: reductions over
 every process that components use (batch statistics, global loss weights). `sharding`: the
 sharded models themselves. With one process every reduction is the identity."""
-from rlkit.parallel.collectives import (any_rank, gather, global_weights, mean_metrics, mean_std, rank, shard,  # noqa: F401
-                                        size, sum_gradients, total)
+
+from rlkit.parallel.collectives import (  # noqa: F401
+    any_rank,
+    gather,
+    global_weights,
+    mean_metrics,
+    mean_std,
+    rank,
+    shard,
+    size,
+    sum_gradients,
+    total,
+)
 from rlkit.parallel.group import close, init, launch_time, local_device, peer_failed  # noqa: F401
 from rlkit.parallel.sharding import full_weights, is_sharded, local  # noqa: F401
 from rlkit.parallel.strategy import MODES, OneProcess, Replicated, Sharded, choose  # noqa: F401

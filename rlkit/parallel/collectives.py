@@ -3,6 +3,7 @@ contiguous share (`shard`), so a group never spans ranks; the aggregator's weigh
 over all ranks' masks (`global_weights`) and gradients summed (`sum_gradients`), so the update
 equals the single-process update on the same batch; batch statistics (`mean_std`, `total`) cover
 every rank. With one process every helper here is the identity."""
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ def rank() -> int:
 def shard(rows: list, rank: int, world: int) -> list:
     """This rank's contiguous share of the step's prompts (P divisible by the world size)."""
     n = len(rows) // world
-    return rows[rank * n:(rank + 1) * n]
+    return rows[rank * n : (rank + 1) * n]
 
 
 def any_rank(flag: bool) -> bool:
@@ -61,9 +62,9 @@ def global_weights(aggregator, mask: torch.Tensor) -> torch.Tensor:
     padded = F.pad(mask.float(), (0, cols - mask.shape[1], 0, rows - mask.shape[0]))  # [rows, cols]
     parts = [torch.empty_like(padded) for _ in shapes]
     dist.all_gather(parts, padded)
-    full = torch.cat([p[:s[0]] for p, s in zip(parts, shapes)])  # [sum n, cols] every rank's rows, in rank order
-    start = sum(s[0] for s in shapes[:rank()])
-    return aggregator.token_weights(full)[start:start + mask.shape[0], :mask.shape[1]]
+    full = torch.cat([p[: s[0]] for p, s in zip(parts, shapes)])  # [sum n, cols] every rank's rows, in rank order
+    start = sum(s[0] for s in shapes[: rank()])
+    return aggregator.token_weights(full)[start : start + mask.shape[0], : mask.shape[1]]
 
 
 def sum_gradients(params) -> None:

@@ -1,6 +1,7 @@
 """The process group: joining it (torchrun's variables, or a SLURM job's tasks), leaving it cleanly,
 and what a process needs to know about its peers before and after (the launcher's start time, a
 peer's failure, this process's device)."""
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,11 @@ def launch_time() -> datetime | None:
 
 def peer_failed(e: BaseException) -> bool:
     """Whether `e` is this process's collective failing because another process of the run died."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and isinstance(e, RuntimeError) and any(
-        s in str(e) for s in ("peer", "Connection", "Broken pipe", "Socket", "socket", "gloo", "NCCL"))
+    return (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and isinstance(e, RuntimeError)
+        and any(s in str(e) for s in ("peer", "Connection", "Broken pipe", "Socket", "socket", "gloo", "NCCL"))
+    )
 
 
 def export_slurm() -> None:
@@ -66,9 +70,13 @@ def export_slurm() -> None:
     from submitit.slurm.slurm import SlurmJobEnvironment
 
     env = os.environ
-    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
-               MASTER_ADDR=SlurmJobEnvironment().hostnames[0],
-               MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 40000)))
+    env.update(
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=env["SLURM_NTASKS"],
+        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+        MASTER_ADDR=SlurmJobEnvironment().hostnames[0],
+        MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 40000)),
+    )
 
 
 def local_device(device: str) -> str:

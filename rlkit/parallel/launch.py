@@ -6,6 +6,7 @@ it exits with the code of the rank that failed first on its own (2 for bad input
 torchrun's 1, after one line per failed rank. Arguments are torchrun's:
 `python -m rlkit.parallel.launch --nproc_per_node=2 -m rlkit.train steps=100`. torchrun waits 30 s for the
 ranks before it kills them, so a step longer than that loses its checkpoint."""
+
 from __future__ import annotations
 
 import sys
@@ -21,8 +22,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(parse_args(argv))
     except SignalException as e:
-        print(f"rlkit-launch: stopped by {e.sigval.name}: the ranks were asked to checkpoint and stop; rerun the "
-              "same command to resume", file=sys.stderr)
+        print(
+            f"rlkit-launch: stopped by {e.sigval.name}: the ranks were asked to checkpoint and stop; rerun the "
+            "same command to resume",
+            file=sys.stderr,
+        )
         sys.exit(EXIT_PREEMPTED)
     except ChildFailedError as e:
         failures = sorted(e.failures.items(), key=lambda kv: kv[1].timestamp)

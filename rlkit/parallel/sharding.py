@@ -5,13 +5,19 @@ state, so a model that does not fit on one device trains on K. Each decoder laye
 frees them after, and the backward reduces each layer's gradients across processes. Generation
 gathers the whole policy once per call (`full_weights`), so the lean decoder runs on full weights.
 Checkpoints hold full (unsharded) state dicts, written by rank 0 and loaded by every rank."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 

@@ -3,6 +3,7 @@ wrapping the models, gradient reduction, the policy's state for checkpoints and 
 checks. `OneProcess`: one process, nothing to share. `Replicated` (`parallel=replicate`, the
 default with several processes): each process holds the whole model and gradients are summed.
 `Sharded` (`parallel=shard`): each holds 1/K of the policy and reference (see `sharding`)."""
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,11 @@ class Replicated(OneProcess):
         P = cfg.rollout.prompts_per_step
         require(P % self.world == 0, f"rollout.prompts_per_step={P} must divide among {self.world} processes")
         generated = math.ceil(P * cfg.sampler.get("oversample", 1.0))
-        require(generated % self.world == 0, f"rollout.prompts_per_step x sampler.oversample = {generated} prompts "
-                                            f"per generation batch must divide among {self.world} processes")
+        require(
+            generated % self.world == 0,
+            f"rollout.prompts_per_step x sampler.oversample = {generated} prompts "
+            f"per generation batch must divide among {self.world} processes",
+        )
 
     def reduce_gradients(self, params) -> None:
         collectives.sum_gradients(params)
@@ -68,9 +72,11 @@ class Sharded(Replicated):
         super().check(cfg, advantage, sampler)
         require(not advantage.needs_critic, "parallel=shard does not shard a critic yet: use a group estimator")
         require(not cfg.model.get("lora_r", 0), "parallel=shard with LoRA is not supported yet: use model.lora_r=0")
-        require(sampler.even_shares and not cfg.optim.micro_batch_tokens,
-               "parallel=shard needs as many micro-batches on every process: a sampler with even shares (not "
-               "sampler=dapo) and optim.micro_batch_tokens=0")
+        require(
+            sampler.even_shares and not cfg.optim.micro_batch_tokens,
+            "parallel=shard needs as many micro-batches on every process: a sampler with even shares (not "
+            "sampler=dapo) and optim.micro_batch_tokens=0",
+        )
 
     def wrap(self, model: torch.nn.Module | None) -> torch.nn.Module | None:
         return model if model is None else sharding.shard(model)

@@ -4,6 +4,7 @@ Prompt ``"3+14+5="``; a completion is either the answer alone (``"22"``) or work
 sums, one step per ``;``, then the answer (``"3+14=17;17+5=22;22"``). The two formats give
 completions of different lengths, so length effects between variants are visible.
 """
+
 from __future__ import annotations
 
 import random
@@ -30,8 +31,17 @@ class Arithmetic(Task):
 
     alphabet = ALPHABET
 
-    def __init__(self, n_train: int = 4000, n_eval: int = 256, min_terms: int = 2, max_terms: int = 3,
-                 max_operand: int = 9, seed: int = 1234, worked_fraction: float = 0.5, demo_max_terms: int = 0):
+    def __init__(
+        self,
+        n_train: int = 4000,
+        n_eval: int = 256,
+        min_terms: int = 2,
+        max_terms: int = 3,
+        max_operand: int = 9,
+        seed: int = 1234,
+        worked_fraction: float = 0.5,
+        demo_max_terms: int = 0,
+    ):
         if n_train < 1 or n_eval < 1:
             raise ValueError("task.n_train and task.n_eval must be >= 1")
         if not 2 <= min_terms <= max_terms:
@@ -59,8 +69,11 @@ class Arithmetic(Task):
                 train_rows.append(row)
         self.train = Dataset.from_list(train_rows)
         self.eval = Dataset.from_list(list(eval_rows.values()))
-        self.demonstrations = Dataset.from_list([r for r in train_rows if r["difficulty"] <= demo_max_terms]) \
-            if demo_max_terms else self.train
+        self.demonstrations = (
+            Dataset.from_list([r for r in train_rows if r["difficulty"] <= demo_max_terms])
+            if demo_max_terms
+            else self.train
+        )
 
     @staticmethod
     def terms(row: dict) -> list[int]:
@@ -113,6 +126,7 @@ class Questions(Task):
 
         def ask(row: dict) -> dict:
             return {"prompt": question.format(expr=row["prompt"].rstrip("=").replace("+", " + "))}
+
         self.train, self.eval = base.train.map(ask), base.eval.map(ask)
 
     def reward(self, row: dict, completion: str) -> float:

@@ -1,4 +1,5 @@
 """What every task provides: datasets of prompts with answers, and a reward."""
+
 from __future__ import annotations
 
 import csv
@@ -44,12 +45,20 @@ def read_csv_text(path: str) -> Dataset:
             if len(row) != len(header):
                 raise ValueError(f"line {reader.line_num} has {len(row)} fields, the header {len(header)}")
             rows.append(row)
-    return Dataset.from_dict({h: [r[i] for r in rows] for i, h in enumerate(header)},
-                             features=Features({h: Value("string") for h in header}))
+    return Dataset.from_dict(
+        {h: [r[i] for r in rows] for i, h in enumerate(header)}, features=Features({h: Value("string") for h in header})
+    )
 
 
-def load_table(key: str, source: str, fmt: str, columns: tuple, split: str = "train",
-               config: str | None = None, as_text: bool = False) -> Dataset:
+def load_table(
+    key: str,
+    source: str,
+    fmt: str,
+    columns: tuple,
+    split: str = "train",
+    config: str | None = None,
+    as_text: bool = False,
+) -> Dataset:
     """A local file through the `datasets` builder `fmt` (json, csv, parquet), else a hub data set
     id with its `config` and `split`; fails naming the config key, the source or a missing column.
     `as_text`: the values of a local JSON or CSV file are read as the file's text, not as numbers."""
@@ -107,19 +116,23 @@ class Task:
                 if a is None or str(a) == "":
                     raise TaskError(f"task.{name} row {i} ({p!r}) has no answer")
 
-    def score(self, rows: list[dict], completions: list[str], fn=None, name: str | None = None,
-              timeout_s: float = 0) -> torch.Tensor:
+    def score(
+        self, rows: list[dict], completions: list[str], fn=None, name: str | None = None, timeout_s: float = 0
+    ) -> torch.Tensor:
         """Rewards for N completions by `fn(row, completion)` (default: the task's `reward`; `name`:
         its key under reward.functions, for messages), each call limited to `timeout_s` seconds;
         rows[i] is completion i's dataset row.  -> [N]"""
         fn = fn or self.reward
-        return torch.tensor([_checked(fn, i, row, text, name, timeout_s)
-                             for i, (row, text) in enumerate(zip(rows, completions))])
+        return torch.tensor(
+            [_checked(fn, i, row, text, name, timeout_s) for i, (row, text) in enumerate(zip(rows, completions))]
+        )
 
     def score_steps(self, rows: list[dict], completions: list[str], timeout_s: float = 0) -> list[list]:
         """(end character, reward) of each step of each completion, checked like `score`."""
-        return [_checked(self.step_rewards, i, row, text, timeout_s=timeout_s, steps=True)
-                for i, (row, text) in enumerate(zip(rows, completions))]
+        return [
+            _checked(self.step_rewards, i, row, text, timeout_s=timeout_s, steps=True)
+            for i, (row, text) in enumerate(zip(rows, completions))
+        ]
 
 
 def _finite(x) -> bool:
@@ -133,8 +146,9 @@ def _finite(x) -> bool:
 
 
 def _steps_ok(out) -> bool:
-    return isinstance(out, list) and all(isinstance(s, (tuple, list)) and len(s) == 2 and _finite(s[0]) and
-                                         _finite(s[1]) for s in out)
+    return isinstance(out, list) and all(
+        isinstance(s, (tuple, list)) and len(s) == 2 and _finite(s[0]) and _finite(s[1]) for s in out
+    )
 
 
 def _checked(fn, i: int, row: dict, text: str, name: str | None = None, timeout_s: float = 0, steps: bool = False):
@@ -152,8 +166,9 @@ def _checked(fn, i: int, row: dict, text: str, name: str | None = None, timeout_
         raise TaskError(f"{who} raised on {where}: {type(e).__name__}: {e}") from e
     if steps:
         if not _steps_ok(out):
-            raise TaskError(f"{who} returned {out!r} for {where}; expected a list of (end character, finite "
-                            "reward) pairs")
+            raise TaskError(
+                f"{who} returned {out!r} for {where}; expected a list of (end character, finite reward) pairs"
+            )
         return [(int(end), float(r)) for end, r in out]
     if not _finite(out):
         raise TaskError(f"{who} returned {out!r} for {where}; expected a finite number")

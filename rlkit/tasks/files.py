@@ -1,4 +1,5 @@
 """A task read from data files with `datasets.load_dataset` (JSON lines, CSV, Parquet, ...)."""
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,14 @@ class FileTask(Task):
     completion, stripped, equals the answer. An optional `difficulty` column
     splits the metrics by its values."""
 
-    def __init__(self, train_path: str, eval_path: str, format: str = "json", prompt_key: str = "prompt",
-                 answer_key: str = "answer"):
+    def __init__(
+        self,
+        train_path: str,
+        eval_path: str,
+        format: str = "json",
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+    ):
         for name, path in (("train", train_path), ("eval", eval_path)):
             split = load_table(f"{name}_path", path, format, (prompt_key, answer_key), as_text=True)
             extra = ["difficulty"] if "difficulty" in split.column_names else []  # optional: metrics split by it

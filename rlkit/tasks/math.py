@@ -1,6 +1,7 @@
 """Math word problems (GSM8K-style `#### answer`, or MATH-style `\\boxed{answer}`), read through
 `datasets.load_dataset` from local files or a hub id, scored by math-verify: equivalent forms
 such as `0.5`, `1/2` and `\\frac{1}{2}` count as equal."""
+
 from __future__ import annotations
 
 import sys
@@ -19,7 +20,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1:j]
+            return text[i + 1 : j]
     return None
 
 
@@ -41,10 +42,20 @@ class Math(Task):
 
     STYLES = ("gsm8k", "boxed", "plain")
 
-    def __init__(self, train: str, eval: str, format: str = "json", config: str | None = None,
-                 train_split: str = "train", eval_split: str = "test", question_key: str = "question",
-                 answer_key: str = "answer", answer_style: str = "gsm8k",
-                 prompt_template: str = "{question}\nPut the final answer in \\boxed{{}}.", timeout_s: int = 5):
+    def __init__(
+        self,
+        train: str,
+        eval: str,
+        format: str = "json",
+        config: str | None = None,
+        train_split: str = "train",
+        eval_split: str = "test",
+        question_key: str = "question",
+        answer_key: str = "answer",
+        answer_style: str = "gsm8k",
+        prompt_template: str = "{question}\nPut the final answer in \\boxed{{}}.",
+        timeout_s: int = 5,
+    ):
         if answer_style not in self.STYLES:
             raise ValueError(f"task.answer_style must be one of {', '.join(self.STYLES)}, got {answer_style!r}")
         self.timeout_s, self.timeouts = timeout_s, 0
@@ -68,15 +79,19 @@ class Math(Task):
         split = getattr(self, name)
         bad = [i for i, row in enumerate(split) if self.reward(row, f"\\boxed{{{row['answer']}}}") != 1.0]
         if bad:
-            print(f"rlkit: warning: task.{name}: {len(bad)} of {len(split)} rows have a reference answer that "
-                  f"math-verify cannot match even against itself, so they always score 0 (rows "
-                  f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}; e.g. "
-                  f"{split[bad[0]]['answer'][:60]!r})", file=sys.stderr)
+            print(
+                f"rlkit: warning: task.{name}: {len(bad)} of {len(split)} rows have a reference answer that "
+                f"math-verify cannot match even against itself, so they always score 0 (rows "
+                f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}; e.g. "
+                f"{split[bad[0]]['answer'][:60]!r})",
+                file=sys.stderr,
+            )
         return len(bad)
 
     def reward(self, row: dict, completion: str) -> float:
         from math_verify import parse, verify
         from math_verify.errors import TimeoutException
+
         try:
             gold = parse(f"${row['answer']}$", parsing_timeout=self.timeout_s, raise_on_error=True)
             pred = parse(completion, parsing_timeout=self.timeout_s, raise_on_error=True)

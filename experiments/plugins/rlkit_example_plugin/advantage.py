@@ -1,4 +1,5 @@
 """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262) as an rlkit plugin."""
+
 import torch
 
 from rlkit.advantages import centred, grouped, per_token

@@ -1,4 +1,5 @@
 """Registers the plugin's config directory with Hydra when the package is installed."""
+
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
