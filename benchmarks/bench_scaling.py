@@ -98,7 +98,8 @@ def main() -> None:
             f"{'natural' if a.natural else 'fixed'} length; {a.prompts} prompts per step"
         )
     print(
-        "| model | G | budget | rows | generated tokens/step | step (s) | generate | logprob | update | s per 1k tokens |"
+        "| model | G | budget | rows | generated tokens/step | step (s) | generate | logprob | update "
+        "| s per 1k tokens |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     middle = sorted(a.budgets)[len(a.budgets) // 2]

@@ -169,7 +169,7 @@ def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
     return trainer
 
 
-# ---- equal maths: one rollout, both sides' advantages, reference log-probs, loss and gradient -------------------------
+# ---- equal maths: one rollout, both sides' advantages, reference log-probs, loss and gradient ---------------------
 
 
 def perturb(models: list[torch.nn.Module], seed: int, scale: float = 0.02) -> None:

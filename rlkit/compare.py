@@ -14,7 +14,7 @@ from pathlib import Path
 from rlkit import stats
 from rlkit.runs import (  # noqa: F401
     WARNINGS,
-    Run,
+    RunHistory,
     aggregate,
     aggregate_name,
     differing_keys,
@@ -33,7 +33,7 @@ class BadArgument(ValueError):
     """A command-line value that does not fit the runs (exit 2 with the usage line)."""
 
 
-def group_runs(runs: list[Run], by: list[str]) -> dict[tuple, list[Run]]:
+def group_runs(runs: list[RunHistory], by: list[str]) -> dict[tuple, list[RunHistory]]:
     groups = defaultdict(list)
     for run in runs:
         missing = [k for k in by if k not in run.keys]
@@ -104,7 +104,7 @@ def smoothed(series: list[tuple[int, float]], k: int) -> list[tuple[int, float]]
     ]
 
 
-def curve(runs: list[Run], metric: str, axis: str, smooth: int):
+def curve(runs: list[RunHistory], metric: str, axis: str, smooth: int):
     """Mean and 95% band over runs. By step: at the steps every run logged; by tokens or time: each
     run interpolated onto a common grid up to the shortest run's end.  -> (x, mean, half-width)"""
     import numpy as np
@@ -130,14 +130,8 @@ def curve(runs: list[Run], metric: str, axis: str, smooth: int):
     return x, [m for m, _ in stats], [0.0 if math.isnan(c) else c for _, c in stats]
 
 
-def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step", smooth: int = 1) -> bool:
-    """Mean of `metric` per group with a shaded 95% band over runs. Up to three groups share one
-    panel; more get a panel each, with the other groups' means in grey behind, so bands stay readable."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def drawable(groups: dict, metric: str, axis: str, smooth: int) -> dict:
+    """{group key: ((x, mean, ci), runs)} of the groups whose runs all logged `metric` at a common step."""
     curves = {}
     for key, runs in groups.items():
         c = curve(runs, metric, axis, smooth)
@@ -150,6 +144,34 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
         curves[key] = (c, len(runs))
     if not curves:
         print(f"rlkit-compare: {metric}: nothing to draw; no plot written", file=sys.stderr)
+    return curves
+
+
+def draw_panel(ax, curves: dict, panel, by: list[str], colours: list) -> None:
+    """Each group's mean with its band; with `panel` set, the other groups' means in grey behind it."""
+    for i, (key, ((x, mean, ci), n)) in enumerate(curves.items()):
+        if panel is not None and key != panel:
+            ax.plot(x, mean, color="0.75", lw=1)
+            continue
+        colour = colours[i % len(colours)]
+        ax.plot(x, mean, color=colour, label=f"{', '.join(f'{k}={v}' for k, v in zip(by, key))} (n={n})")
+        ax.fill_between(
+            x, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)], color=colour, alpha=0.15
+        )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step", smooth: int = 1) -> bool:
+    """Mean of `metric` per group with a shaded 95% band over runs. Up to three groups share one
+    panel; more get a panel each, with the other groups' means in grey behind, so bands stay readable."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = drawable(groups, metric, axis, smooth)
+    if not curves:
         return False
     panels = list(curves) if len(curves) > 3 else [None]
     cols = min(len(panels), 3)
@@ -164,18 +186,7 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
     )
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes.flat, panels):
-        for i, (key, ((x, mean, ci), n)) in enumerate(curves.items()):
-            label = f"{', '.join(f'{k}={v}' for k, v in zip(by, key))} (n={n})"
-            if panel is not None and key != panel:
-                ax.plot(x, mean, color="0.75", lw=1)
-                continue
-            colour = colours[i % len(colours)]
-            ax.plot(x, mean, color=colour, label=label)
-            ax.fill_between(
-                x, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)], color=colour, alpha=0.15
-            )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        draw_panel(ax, curves, panel, by, colours)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax in axes[-1]:
@@ -212,33 +223,38 @@ def differences(
             continue
         for m in metrics:
             for what in (spec, "best"):
-
-                def values(runs):
-                    return [
-                        (r.keys.get("seed", r.name), v)
-                        for r in runs
-                        if (v := aggregate(r, m, what, m in lower)) is not None
-                    ]
-
-                a, b = values(base), values(groups[key])
+                a, b = seeded(base, m, what, m in lower), seeded(groups[key], m, what, m in lower)
                 d = stats.compare(a, b, alpha)
                 rob = stats.robust([v for _, v in a], [v for _, v in b], m in lower, alpha)
                 rows.append((f"{aggregate_name(what)} {m}: {name} - {baseline}", d, rob, m, name))
     adjusted = stats.holm([d.p for _, d, *_ in rows])
-    lines = []
-    for (label, d, rob, m, name), p_holm in zip(rows, adjusted):
-        text, margin = f"- {label}: {d.describe()}", margins.get(m)
-        if not math.isnan(p_holm):
-            text += f"; Holm-adjusted p = {p_holm:.2g} over {sum(not math.isnan(x) for x in adjusted)} lines"
-        if margin is not None and d.n >= 2:
-            p_eq = d.tost(margin)
-            text += (
-                f"; {'equivalent' if p_eq < alpha else 'not shown equivalent'} within ±{margin:g} (TOST p = {p_eq:.2g})"
-            )
-        if rob is not None:
-            text += f"; {rob.describe(baseline, name, m in lower)}"
-        lines.append(text)
+    tested = sum(not math.isnan(x) for x in adjusted)
+    lines = [
+        difference_line(row, p_holm, tested, baseline, lower, margins.get(row[3]), alpha)
+        for row, p_holm in zip(rows, adjusted)
+    ]
     return "\n".join(lines) + "\n"
+
+
+def seeded(runs: list[RunHistory], metric: str, what: str, lower: bool) -> list[tuple]:
+    """(seed, aggregate) of each run that has a value."""
+    return [(r.keys.get("seed", r.name), v) for r in runs if (v := aggregate(r, metric, what, lower)) is not None]
+
+
+def difference_line(
+    row: tuple, p_holm: float, tested: int, baseline: str, lower: set, margin: float | None, alpha: float
+) -> str:
+    """One line of `differences`: the difference, Holm's p, TOST at `margin`, the robust statistics."""
+    label, d, rob, m, name = row
+    text = f"- {label}: {d.describe()}"
+    if not math.isnan(p_holm):
+        text += f"; Holm-adjusted p = {p_holm:.2g} over {tested} lines"
+    if margin is not None and d.n >= 2:
+        p_eq = d.tost(margin)
+        text += f"; {'equivalent' if p_eq < alpha else 'not shown equivalent'} within ±{margin:g} (TOST p = {p_eq:.2g})"
+    if rob is not None:
+        text += f"; {rob.describe(baseline, name, m in lower)}"
+    return text
 
 
 def parse_margins(items: list[str], metrics: list[str]) -> dict:

@@ -94,7 +94,11 @@ class Correction(Protocol):
     precision engine). `correction(logp, old_logp, behaviour_logp, adv, mask)` -> (weights
     `[n, Tc]`, statistics `{name: [n, Tc]}`), without gradient; every `loss` multiplies its policy
     term by the weights. `behaviour_logp` is the engine's (the trainer's `old_logp` when the
-    engine's numbers are the trainer's)."""
+    engine's numbers are the trainer's). `c_min`, `c_max`: the ratio band whose outside
+    `offpolicy/outside_frac` reports (None: no upper bound)."""
+
+    c_min: float = 0.5
+    c_max: float | None = 2.0
 
     def __call__(
         self,
@@ -127,9 +131,11 @@ class Engine(Protocol):
     that reports its own log-probs (`Generation.logprobs`) lets a `correction` weigh the loss.
     `load_weights(policy)` is called after every update; `latest()` is the engine held-out
     evaluation uses (the trainer's current weights); `state_dict()` is what a checkpoint keeps of
-    it (weights that are not the policy's own, e.g. a lagging copy)."""
+    it (weights that are not the policy's own, e.g. a lagging copy); `lag` the updates between the
+    weights it samples with and the trainer's (None: it does not lag)."""
 
     exact_logprobs: bool = True
+    lag: int | None = None
 
     def generate(
         self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0

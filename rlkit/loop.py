@@ -1,30 +1,25 @@
-"""The RL loop. `run` joins the process group and calls `train`, which builds the run (`setup`) and
-repeats `step`: four phases, written out below in the order they run: `collect` (sample prompts,
+"""The RL loop: `step` runs four phases, written out below in the order they run: `collect` (sample prompts,
 generate, score), `prepare` (reference and old log-probs, critic values, KL in the reward,
 advantages), `update` (epochs x mini-batches x micro-batches) and `measure` (the step's metrics);
-then, when due, the held-out evaluation, the log line and a checkpoint. Each phase takes the parts
-it uses, the runtime and its own sub-config."""
+then, when due, the held-out evaluation and the log line. Each phase takes the parts it uses, the
+runtime and its own sub-config. A run's life as a process (process group, lock, signals, the steps,
+checkpoints, summary) is `rlkit.session`."""
 
 from __future__ import annotations
 
-import json
 import sys
-import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 
 import torch
 from omegaconf import DictConfig
-from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from rlkit import checkpoint, files, parallel
+from rlkit import parallel
+from rlkit.batching import batched, micro_batches
 from rlkit.config import shuffle_mode
 from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
-from rlkit.guards import NonFiniteError, Preempted, RunDirLock, StopSignals, check_writable, checked_advantages, finite
-from rlkit.hardware import check_portable
+from rlkit.guards import checked_advantages, finite
 from rlkit.logprobs import rollout_logprobs
 from rlkit.metrics import (
     feature_metrics,
@@ -36,70 +31,11 @@ from rlkit.metrics import (
     weight_metrics,
 )
 from rlkit.rewards import overlong_penalty, score, shuffled, step_reward_matrix
-from rlkit.setup import eval_options, setup, validate
+from rlkit.setup import eval_options
 from rlkit.state import Parts, Run, Runtime
-from rlkit.types import Rollout
+from rlkit.types import Batch, Rollout, UpdateStats
 
 hf_logging.disable_progress_bar()
-
-
-def micro_batches(r: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
-    """`rows` of `r` in micro-batches of similar length, so that trimming each to its own longest
-    row (`trimmed_inputs`) leaves little padding: sorted by prompt + completion length and cut
-    before a micro-batch passes `max_rows` rows or `max_tokens` padded tokens (0: no limit).
-    Returns positions in `rows`.  -> [m] each"""
-    if not max_rows and not max_tokens:  # one micro-batch, in the same (stable, by length) order
-        lengths = r.prompt_mask[rows].sum(-1) + r.completion_mask[rows].sum(-1)  # [n]
-        return [torch.argsort(lengths, stable=True).cpu()] if len(rows) else []
-    plen, clen = r.prompt_mask[rows].sum(-1).tolist(), r.completion_mask[rows].sum(-1).tolist()  # [n] each
-    out, cur, width = [], [], (0, 0)
-    for i in sorted(range(len(plen)), key=lambda i: plen[i] + clen[i]):
-        grown = (max(width[0], plen[i]), max(width[1], clen[i]))
-        if cur and (len(cur) == max_rows or max_tokens and (len(cur) + 1) * sum(grown) > max_tokens):
-            out.append(torch.tensor(cur))
-            cur, grown = [], (plen[i], clen[i])
-        cur.append(i)
-        width = grown
-    return out + [torch.tensor(cur)] if cur else out
-
-
-@torch.no_grad()
-def batched(fn, r: Rollout, micro: list[torch.Tensor], outputs: int = 1):
-    """fn over the micro-batches of rows `micro`, put back in row order; `outputs` > 1: fn returns
-    that many tensors.  -> [N, Tc] (each)"""
-    out = [torch.zeros(r.completion_ids.shape, device=r.completion_ids.device) for _ in range(outputs)]  # [N, Tc] each
-    for rows in micro:
-        res = fn(r.select_rows(rows))
-        for i, x in enumerate(res if outputs > 1 else (res,)):
-            if x is None:  # an output fn does not compute
-                out[i] = None
-            elif out[i] is not None:
-                out[i][rows] = x
-    return out if outputs > 1 else out[0]
-
-
-@dataclass
-class Batch:
-    """A scored rollout with everything the update needs, all [N, Tc]."""
-
-    rollout: Rollout
-    mask: torch.Tensor  # the loss's training mask
-    adv: torch.Tensor
-    returns: torch.Tensor | None  # critic targets, when the estimator has them
-    old_logp: torch.Tensor | None  # None: the update's own log-probs, detached (one update per rollout)
-    ref_logp: torch.Tensor | None  # None: no reference (beta = 0)
-    old_values: torch.Tensor | None  # None: no critic
-    select: torch.Tensor | None = None  # tokens the policy term acts on (the loss's top-entropy selection); None: all
-
-
-@dataclass
-class UpdateStats:
-    skipped: bool = False  # a NaN or inf advantage, loss or gradient norm
-    sums: dict = field(default_factory=dict)  # loss statistics summed over tokens
-    tokens: float = 0.0
-    losses: list = field(default_factory=list)  # one per optimizer step
-    grad_norms: list = field(default_factory=list)
-    value_losses: list = field(default_factory=list)
 
 
 # ---- 1. collect: P prompts from the sampler, G completions each from the engine, scored -------------------------
@@ -116,7 +52,7 @@ def collect(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig) -> tup
         return generated[-1]
 
     rollout, metrics = parts.sampler.sample(make)
-    if getattr(parts.engine, "lag", None) is not None:  # updates between the sampled weights and the trainer's
+    if parts.engine.lag is not None:  # updates between the sampled weights and the trainer's
         metrics["offpolicy/lag"] = parts.engine.lag
     every = torch.cat([r.rewards for r in generated])  # [N_generated] kept or not
     return rollout, {
@@ -163,8 +99,11 @@ def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollou
     """`O`: the optim config (epochs, mini- and micro-batches); `temperature`: the rollout's."""
     loss = parts.loss
     rows = micro_batches(rollout, torch.arange(rollout.num_rows), O.micro_batch_size, O.micro_batch_tokens)
-    share = O.share_prefix
-    logp = lambda model: lambda r: rollout_logprobs(model, r, temperature, share=share)[0]  # noqa: E731
+    entropy_kind = "metric" if loss.selects_tokens else "none"
+
+    def logprobs(model, kind: str = "none"):  # fn(micro-batch) -> (logp, entropy) [m, Tc] each
+        return partial(rollout_logprobs, model, temperature=temperature, entropy=kind, share=O.share_prefix)
+
     # old log-probs come free from the update itself unless the rollout is reused, the KL sits in the
     # reward, the engine's numbers are not the trainer's, or the loss selects tokens by their entropy
     reuse = (
@@ -174,16 +113,13 @@ def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollou
         and parts.engine.exact_logprobs
         and not loss.selects_tokens
     )
-    old = lambda r: rollout_logprobs(
-        parts.policy,
-        r,
-        temperature,
-        "metric" if loss.selects_tokens else "none",  # noqa: E731
-        share=share,
-    )
     with rt.timer("logprob"):
-        ref_logp = batched(logp(parts.ref), rollout, rows) if parts.ref is not None else None  # [N, Tc]
-        old_logp, entropy = (None, None) if reuse else batched(old, rollout, rows, outputs=2)  # [N, Tc] each
+        ref_logp = (
+            batched(logprobs(parts.ref), rollout, rows, outputs=2)[0] if parts.ref is not None else None
+        )  # [N, Tc]
+        old_logp, entropy = (
+            (None, None) if reuse else batched(logprobs(parts.policy, entropy_kind), rollout, rows, outputs=2)
+        )  # [N, Tc] each
         old_values = batched(parts.critic.values, rollout, rows) if parts.critic is not None else None  # [N, Tc]
     if loss.kl_in_reward:
         rollout.kl_penalty = loss.kl_penalty(old_logp, ref_logp)  # [N, Tc]
@@ -290,16 +226,9 @@ def measure(
         metrics.update(feature_metrics(parts.task, rollout.rows, rollout.texts, "train"))
         metrics.update(reward_metrics(rollout, list(parts.reward_fns)))
         if rollout.behaviour_logp is not None and batch.old_logp is not None:  # the engine's numbers vs the trainer's
-            c = parts.correction  # its bounds, where it has them
-            metrics.update(
-                mismatch_metrics(
-                    batch.old_logp,
-                    rollout.behaviour_logp,
-                    rollout.completion_mask,
-                    getattr(c, "c_min", 0.5),
-                    getattr(c, "c_max", 2.0) or float("inf"),
-                )
-            )
+            c = parts.correction
+            band = (c.c_min, c.c_max if c.c_max is not None else float("inf"))
+            metrics.update(mismatch_metrics(batch.old_logp, rollout.behaviour_logp, rollout.completion_mask, *band))
     if batch is not None and not stats.skipped:
         weights = parallel.global_weights(parts.aggregator, batch.mask)  # [N, Tc] every rank takes part
         if rollout.num_rows:
@@ -354,75 +283,3 @@ def learn(run: Run, rollout: Rollout) -> tuple[Batch, UpdateStats]:
     O, temperature = run.cfg.optim, run.cfg.rollout.temperature
     batch = prepare(run.parts, run.runtime, O, temperature, rollout)
     return batch, update(run.parts, run.runtime, O, temperature, batch)
-
-
-def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
-    """Train as `cfg` says, writing to `run_dir`; `run_info` carries the chosen options (`choices`)
-    and sweep name for the logger."""
-    t0 = time.perf_counter()
-    rank, world = parallel.init(cfg.device)
-    agreed = False  # whether every rank ends here the same way (finished, or stopped after the same step)
-    try:
-        summary = train(cfg, run_dir, run_info or {}, rank, world, t0)
-        agreed = True
-        return summary
-    except (Preempted, NonFiniteError):  # decided on every rank after the same step
-        agreed = True
-        raise
-    finally:
-        parallel.close(agreed)
-
-
-def train(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, t0: float) -> dict:
-    components = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
-    check_portable(cfg.portable)
-    check_writable(run_dir, "hydra.run.dir")
-    with RunDirLock(run_dir) if rank == 0 else nullcontext(), StopSignals() as stop:  # SIGTERM/SIGINT: finish the step
-        run = setup(cfg, run_dir, run_info, components, stop)
-        run.runtime.t0 = t0
-        if stop.received:
-            raise Preempted(f"stopped by {stop.received} before the first step; rerun the same command to start")
-        start = run.progress.start
-        bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="rlkit", file=sys.stderr)
-        for n in bar:
-            metrics, stats = step(run, n)
-            bar.set_postfix(
-                reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{run.progress.last_eval['eval/accuracy']:.2f}"
-            )
-            stopping = parallel.any_rank(bool(stop.received))  # every rank stops after the same step
-            if n == cfg.steps or (cfg.checkpoint.every and n % cfg.checkpoint.every == 0) or stopping:
-                path = checkpoint.save_run(run, n)
-            if stopping:
-                run.runtime.logger.finish()
-                raise Preempted(
-                    f"stopped by {stop.received or 'a signal to another rank'} after step {n}; "
-                    f"checkpoint {path}; rerun the same command (same hydra.run.dir) to resume"
-                )
-            run.runtime.guard.record(stats.skipped, n)
-        run.runtime.logger.finish()
-        return write_summary(run)
-
-
-def write_summary(run: Run) -> dict:
-    """summary.json and the closing line; wall time counts every session of the run, set-up included.
-    A rerun of a finished run keeps its summary."""
-    rt, p, steps = run.runtime, run.progress, run.cfg.steps
-    path = Path(rt.run_dir, "summary.json")
-    if rt.rank:
-        return {}
-    if p.finished_before and path.exists():
-        print(f"rlkit: the run in {rt.run_dir} had already finished at step {p.start}; nothing to do", file=sys.stderr)
-        return json.loads(path.read_text())
-    summary = {
-        "accuracy_before": p.first_eval["eval/accuracy"],
-        "accuracy_after": p.last_eval["eval/accuracy"],
-        "steps": steps,
-        "wall_s": round(run.wall_s(), 1),
-    }
-    files.write_text(path, json.dumps(summary, indent=1))
-    print(
-        f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
-        f"in {summary['wall_s']:.0f}s over {steps} steps ({rt.run_dir})",
-        file=sys.stderr,
-    )
-    return summary

@@ -16,7 +16,7 @@ INCIDENTAL = ("seed", "warm_start.cache_dir", "threads", "logger", "hydra", "run
 
 
 @dataclass
-class Run:
+class RunHistory:
     name: str
     keys: dict  # chosen options and flattened config
     history: dict = field(default_factory=dict)  # metric -> list of (step, value), finite values only
@@ -49,9 +49,11 @@ def number(v) -> float | None:
     return None
 
 
-def from_rows(name: str, keys: dict, rows: list[dict], finished: bool = True, wall_s: float | None = None) -> Run:
+def from_rows(
+    name: str, keys: dict, rows: list[dict], finished: bool = True, wall_s: float | None = None
+) -> RunHistory:
     """A run from its metrics records (one dict per step, later records for a step replacing earlier)."""
-    run = Run(name, keys, finished=finished)
+    run = RunHistory(name, keys, finished=finished)
     by_step = {row["step"]: row for row in rows}
     for step in sorted(by_step):
         for k, v in by_step[step].items():
@@ -66,8 +68,8 @@ def from_rows(name: str, keys: dict, rows: list[dict], finished: bool = True, wa
     return run
 
 
-def load_run(d: Path, name: str) -> Run:
-    from rlkit.logging import flatten, read_jsonl
+def load_run(d: Path, name: str) -> RunHistory:
+    from rlkit.sinks import flatten, read_jsonl
 
     meta = json.loads((d / "run.json").read_text())
     rows = read_jsonl(d / "metrics.jsonl")
@@ -82,7 +84,7 @@ def load_run(d: Path, name: str) -> Run:
     return from_rows(name, {**flatten(meta["config"]), **meta["choices"]}, rows, summary.exists(), wall)
 
 
-def load_runs(root: Path) -> list[Run]:
+def load_runs(root: Path) -> list[RunHistory]:
     """Every directory under `root` holding run.json and metrics.jsonl."""
     return [
         load_run(info.parent, str(info.parent.relative_to(root)) if info.parent != root else root.name)
@@ -91,7 +93,7 @@ def load_runs(root: Path) -> list[Run]:
     ]
 
 
-def load_wandb_runs(project: str) -> list[Run]:
+def load_wandb_runs(project: str) -> list[RunHistory]:
     """Runs of a wandb project ("entity/project") through wandb's public API (needs a server)."""
     import wandb
 
@@ -105,7 +107,7 @@ def load_wandb_runs(project: str) -> list[Run]:
     return runs
 
 
-def finished_only(runs: list[Run], include_unfinished: bool = False) -> list[Run]:
+def finished_only(runs: list[RunHistory], include_unfinished: bool = False) -> list[RunHistory]:
     """The runs that reached their last step; the others are named and left out (or kept, and said)."""
     for r in runs:
         if not r.finished:
@@ -121,7 +123,7 @@ def finished_only(runs: list[Run], include_unfinished: bool = False) -> list[Run
     return runs if include_unfinished else [r for r in runs if r.finished]
 
 
-def differing_keys(runs: list[Run], by: list[str]) -> dict:
+def differing_keys(runs: list[RunHistory], by: list[str]) -> dict:
     """Config keys (other than `by`, seeds and paths) whose values differ between the runs of one arm."""
     keys = {k for r in runs for k in r.keys if k not in by and not k.startswith(INCIDENTAL)}
     out = {}
@@ -132,7 +134,7 @@ def differing_keys(runs: list[Run], by: list[str]) -> dict:
     return out
 
 
-def x_of(run: Run, axis: str) -> dict:
+def x_of(run: RunHistory, axis: str) -> dict:
     """Step -> horizontal position: the step, generated tokens so far, or wall seconds so far."""
     steps = sorted({s for series in run.history.values() for s, _ in series})
     if axis == "step":
@@ -174,7 +176,7 @@ def aggregate_name(spec: str) -> str:
     }[kind]
 
 
-def aggregate(run: Run, metric: str, spec: str, lower: bool = False) -> float | None:
+def aggregate(run: RunHistory, metric: str, spec: str, lower: bool = False) -> float | None:
     """`run`'s one number for `metric` under `spec`; None when it logged no value to reduce (and
     a warning when values it logged as nan or inf were left out)."""
     kind, k = parse_aggregate(spec)

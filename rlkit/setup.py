@@ -32,7 +32,7 @@ from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import evaluate
 from rlkit.guards import NonFiniteGuard, check_context, check_encodable, check_rollout_memory, check_writable
 from rlkit.hardware import hardware
-from rlkit.logging import NullLogger
+from rlkit.sinks import NullLogger
 from rlkit.state import Parts, Progress, Run, Runtime
 from rlkit.warm_start import applies as warm_start_applies
 from rlkit.warm_start import warm_start
@@ -179,6 +179,30 @@ def eval_options(cfg: DictConfig) -> dict:
     )
 
 
+def start_logging(run: Run, c: Components, run_info: dict, warm: dict):
+    """The run's logger, and `run.json` (choices, resolved config, warm start, processes, hardware)."""
+    cfg, run_dir = run.cfg, run.runtime.run_dir
+    logger = build(
+        cfg,
+        "logger",
+        run_dir=run_dir,
+        run_config=resolved(cfg),
+        resume_step=run.progress.start,
+        run_id=run.progress.run_id,
+        run_info=run_info,
+    )
+    info = {
+        "choices": run_info.get("choices", {}),
+        "config": resolved(cfg),
+        "warm_start": warm,
+        "processes": c.parallel.world,
+        "parallel": type(c.parallel).__name__,
+        "hardware": hardware(run.runtime.device),
+    }
+    files.write_text(Path(run_dir, "run.json"), json.dumps(info, indent=1))
+    return logger
+
+
 def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components | None = None, stop=None) -> Run:
     """Build the run of a validated config (`components` from `validate`; validated here when not
     given), warm-start, resume from the run directory's last checkpoint, start the logger and
@@ -188,7 +212,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components 
         check_writable(cfg.warm_start.cache_dir, "warm_start.cache_dir")
     if cfg.threads or run_info.get("threads"):
         torch.set_num_threads(cfg.threads or run_info["threads"])
-    rank, world = c.parallel.rank, c.parallel.world
+    rank = c.parallel.rank
     device = torch.device(parallel.local_device(cfg.device))
     parts, warm = build_parts(cfg, c, device, stop)
     seed_everything(cfg.seed + rank)  # ranks sample differently; rank 0 as a single process would
@@ -199,32 +223,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components 
         checkpoint.set_aside(run_dir, run_info.get("earlier_hydra"))
     if cfg.checkpoint.resume:
         checkpoint.resume(run)
-    if rank:  # rank 0 alone writes
-        run.runtime.logger = NullLogger()
-    else:
-        run.runtime.logger = build(
-            cfg,
-            "logger",
-            run_dir=run_dir,
-            run_config=resolved(cfg),
-            resume_step=run.progress.start,
-            run_id=run.progress.run_id,
-            run_info=run_info,
-        )
-        files.write_text(
-            Path(run_dir, "run.json"),
-            json.dumps(
-                {
-                    "choices": run_info.get("choices", {}),
-                    "config": resolved(cfg),
-                    "warm_start": warm,
-                    "processes": world,
-                    "parallel": type(c.parallel).__name__,
-                    "hardware": hardware(device),
-                },
-                indent=1,
-            ),
-        )
+    run.runtime.logger = NullLogger() if rank else start_logging(run, c, run_info, warm)  # rank 0 alone writes
     p = run.progress
     p.first_eval = p.first_eval or evaluate(
         parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg), policy=parts.policy

@@ -153,7 +153,7 @@ def check_lists(path: Path, loaded) -> None:
             raise StudyError(f"{path}: {where} must be a list of overrides, e.g. [algo=grpo], got {value!r}")
 
 
-# ---- what is recorded: one gzipped JSON-lines file per finished run ---------------------------------------------------
+# ---- what is recorded: one gzipped JSON-lines file per finished run -------------------------------------------
 
 
 def record_path(results: Path, arm: str, seed: int) -> Path:

@@ -1,4 +1,4 @@
-"""`rlkit-train` (and `python -m rlkit.train`): the Hydra app around `rlkit.loop.run`. Exit codes:
+"""`rlkit-train` (and `python -m rlkit.train`): the Hydra app around `rlkit.session.run`. Exit codes:
 0 done, 2 bad input (a config that does not compose or fails its checks, a bad task row), 3 too
 many non-finite updates, 74 storage full, 75 stopped by a signal after a checkpoint (rerun the
 same command to resume)."""
@@ -24,7 +24,7 @@ from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE
 from rlkit.guards import NonFiniteError, Preempted, StoppedAtOnce, check_writable
 from rlkit.hardware import PORTABLE_ENV
-from rlkit.loop import run
+from rlkit.session import run
 from rlkit.tasks.base import TaskError
 
 PEER_GRACE_S = 5.0

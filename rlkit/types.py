@@ -1,5 +1,6 @@
 """The data the phases pass along, on the ground floor (no rlkit imports): what an engine returns
-(`Generation`) and a scored rollout (`Rollout`).
+(`Generation`), a scored rollout (`Rollout`), a rollout prepared for the update (`Batch`) and
+what the update did (`UpdateStats`).
 
 A `Rollout` holds P prompt groups of G completions each (N = P*G rows, group i is rows
 i*G..(i+1)*G-1): left-padded prompts, right-padded completions and their masks.
@@ -107,3 +108,27 @@ def pad_cat(tensors: list[torch.Tensor], left: bool, value: int = 0) -> torch.Te
     width = max(t.shape[1] for t in tensors)
     padded = [F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value) for t in tensors]
     return torch.cat(padded)  # [sum N, width]
+
+
+@dataclass
+class Batch:
+    """A scored rollout with everything the update needs, all [N, Tc]."""
+
+    rollout: Rollout
+    mask: torch.Tensor  # the loss's training mask
+    adv: torch.Tensor
+    returns: torch.Tensor | None  # critic targets, when the estimator has them
+    old_logp: torch.Tensor | None  # None: the update's own log-probs, detached (one update per rollout)
+    ref_logp: torch.Tensor | None  # None: no reference (beta = 0)
+    old_values: torch.Tensor | None  # None: no critic
+    select: torch.Tensor | None = None  # tokens the policy term acts on (the loss's top-entropy selection); None: all
+
+
+@dataclass
+class UpdateStats:
+    skipped: bool = False  # a NaN or inf advantage, loss or gradient norm
+    sums: dict = field(default_factory=dict)  # loss statistics summed over tokens
+    tokens: float = 0.0
+    losses: list = field(default_factory=list)  # one per optimizer step
+    grad_norms: list = field(default_factory=list)
+    value_losses: list = field(default_factory=list)

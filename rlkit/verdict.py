@@ -10,15 +10,15 @@ from pathlib import Path
 
 from rlkit import files, stats
 from rlkit.compare import fmt, plot
-from rlkit.logging import flatten
 from rlkit.runs import aggregate, aggregate_name, from_rows
+from rlkit.sinks import flatten
 from rlkit.stats import mean_ci
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
 
 
 def runs_by_arm(records: list) -> tuple[dict, list[str]]:
-    """{arm: {seed: Run}} of the runs that reached their last step, and a line for each one left out."""
+    """{arm: {seed: RunHistory}} of the runs that reached their last step, and a line for each one left out."""
     arms, left_out = {}, []
     for head, rows in records:
         run = from_rows(
@@ -187,6 +187,25 @@ def fmt_ci(values: list[float]) -> str:
     return fmt(*mean_ci(values)) if values else "n/a"
 
 
+def engagement_words(e) -> str:
+    if e is None:
+        return "none declared"
+    bound = f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}"
+    return f"{aggregate_name(e.aggregate)} {e.metric} {bound}" + (
+        f" in the {e.arm} arm" if e.arm else " in each treatment arm"
+    )
+
+
+def seed_words(spec, plan: dict | None) -> str:
+    seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
+    if plan is None:
+        return seeds
+    sds = "".join(
+        f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}" for a, v in plan["arms"].items()
+    )
+    return seeds + f"; planned {plan['seeds']} per arm (needed {plan['needed']}{sds})"
+
+
 def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
     """The study file in words, with the plan fixed from the pilot."""
     P = spec.primary
@@ -196,53 +215,75 @@ def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
         if P.direction == "equal"
         else f"{P.direction} by at least {P.smallest_effect:g}"
     )
-    e = spec.engagement
-    check = (
-        "none declared"
-        if e is None
-        else (
-            f"{aggregate_name(e.aggregate)} {e.metric} "
-            + (f">= {e.at_least:g}" if e.at_least is not None else f"<= {e.at_most:g}")
-            + (f" in the {e.arm} arm" if e.arm else " in each treatment arm")
-        )
-    )
-    seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
-    if plan is not None:
-        seeds += (
-            f"; planned {plan['seeds']} per arm (needed {plan['needed']}"
-            + "".join(
-                f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}" for a, v in plan["arms"].items()
-            )
-            + ")"
-        )
-    L = spec.learning
-    learns = (
-        []
-        if L is None
-        else [
-            f"- Learning check: the baseline's {aggregate_name(L.aggregate)} {L.metric} per run "
-            f"is above 0 with its {1 - spec.alpha:.0%} interval; failing it, no verdict"
-        ]
-    )
-    controls = (
-        []
-        if not spec.controls
-        else [
-            "- Controls, beside the baseline on the learning metric: "
-            + ", ".join(f"`{c}` ({' '.join(o)})" for c, o in spec.controls.items())
-        ]
-    )
-    return [
+    lines = [
         f"- Claim: {spec.claim.strip()} ({spec.source})",
         f"- Arms: {arms}; baseline `{spec.baseline}`; shared overrides: {' '.join(spec.config) or 'none'}",
         f"- Primary: {aggregate_name(P.aggregate)} of {P.metric} per run; each treatment {effect} against the "
         f"baseline; alpha {spec.alpha:g} (Holm across {treatments} treatment(s)), power {spec.power:g}",
         "- Secondary (Holm across every line): "
         + (", ".join(f"{aggregate_name(m.aggregate)} {m.metric}" for m in spec.secondary) or "none"),
-        f"- Engagement: {check}",
-        *learns,
-        *controls,
-        f"- Seeds: {seeds}",
+        f"- Engagement: {engagement_words(spec.engagement)}",
+    ]
+    if spec.learning is not None:
+        lines.append(
+            f"- Learning check: the baseline's {aggregate_name(spec.learning.aggregate)} "
+            f"{spec.learning.metric} per run is above 0 with its {1 - spec.alpha:.0%} interval; failing it, "
+            "no verdict"
+        )
+    if spec.controls:
+        lines.append(
+            "- Controls, beside the baseline on the learning metric: "
+            + ", ".join(f"`{c}` ({' '.join(o)})" for c, o in spec.controls.items())
+        )
+    return lines + [f"- Seeds: {seed_words(spec, plan)}"]
+
+
+def verdict_lines(spec, r: dict) -> list[str]:
+    """A verdict section per treatment: the word, the difference, the reason, the robust statistics."""
+    lines = []
+    for arm in r["treatments"]:
+        word, why = r["verdicts"][arm]
+        adjusted = f"adjusted p = {r['p_adjusted'][arm]:.2g}; " if len(r["treatments"]) > 1 else ""
+        lines += [
+            f"### Verdict, {arm} against {spec.baseline}: {word}",
+            "",
+            f"{arm} - {spec.baseline}: {r['diffs'][arm].describe()}; {adjusted}{why}.",
+            "",
+        ]
+        rob = stats.robust(*pair(r["values"], spec.baseline, arm), spec.primary.lower, spec.alpha)
+        if rob is not None:
+            lines += [rob.describe(spec.baseline, arm, spec.primary.lower), ""]
+    return lines
+
+
+def secondary_lines(spec, r: dict) -> list[str]:
+    if not r["secondary"]:
+        return []
+    n = len(r["secondary"])
+    lines = [f"### Secondary ({n} line{'s' if n > 1 else ''}, Holm-adjusted p beside each)", ""]
+    for (label, d, rob, arm, lower), p_adj in zip(r["secondary"], r["secondary_holm"]):
+        extra = "" if math.isnan(p_adj) else f"; Holm-adjusted p = {p_adj:.2g}"
+        lines.append(
+            f"- {label}: {d.describe()}{extra}" + (f"; {rob.describe(spec.baseline, arm, lower)}" if rob else "")
+        )
+    return lines + [""]
+
+
+def provenance_lines(records: list, name: str) -> list[str]:
+    """How many runs, on which CPUs, and the command that recomputes every number."""
+    hw = [h.get("hardware") or {} for h, _ in records]
+    cpus = sorted(
+        {
+            f"{x.get('cpu', '?')} (torch kernels {x.get('cpu_capability', '?')}, pins {x.get('pins') or 'none'})"
+            for x in hw
+        }
+    )
+    return [
+        "### Where the numbers come from",
+        "",
+        f"{len(records)} runs, raw metrics in `results/runs/` (one gzipped JSON-lines file per run), on "
+        f"{'; '.join(cpus)}. Every number above: `rlkit-study {name} --analyse-only`.",
+        "",
     ]
 
 
@@ -266,48 +307,14 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
         v = list(r["values"].get(arm, {}).values())
         lines.append(f"| {arm} | {len(v)} | {fmt_ci(v)} |")
     lines.append("")
-    for arm in r["treatments"]:
-        word, why = r["verdicts"][arm]
-        d = r["diffs"][arm]
-        lines += [
-            f"### Verdict, {arm} against {spec.baseline}: {word}",
-            "",
-            f"{arm} - {spec.baseline}: {d.describe()}; "
-            + (f"adjusted p = {r['p_adjusted'][arm]:.2g}; " if len(r["treatments"]) > 1 else "")
-            + f"{why}.",
-            "",
-        ]
-        rob = stats.robust(*pair(r["values"], spec.baseline, arm), P.lower, spec.alpha)
-        if rob is not None:
-            lines += [rob.describe(spec.baseline, arm, P.lower), ""]
+    lines += verdict_lines(spec, r)
     if r["learning"]:
         lines += ["### Learning check", "", *[f"- {x}" for x in r["learning"]], ""]
     lines += ["### Engagement", "", *[f"- {e}" for e in r["engagement"]], ""]
-    if r["secondary"]:
-        n = len(r["secondary"])
-        lines += [f"### Secondary ({n} line{'s' if n > 1 else ''}, Holm-adjusted p beside each)", ""]
-        for (label, d, rob, arm, lower), p_adj in zip(r["secondary"], r["secondary_holm"]):
-            extra = "" if math.isnan(p_adj) else f"; Holm-adjusted p = {p_adj:.2g}"
-            lines.append(
-                f"- {label}: {d.describe()}{extra}" + (f"; {rob.describe(spec.baseline, arm, lower)}" if rob else "")
-            )
-        lines.append("")
+    lines += secondary_lines(spec, r)
     if r["left_out"]:
         lines += ["### Runs left out", "", *[f"- {x}" for x in r["left_out"]], ""]
-    hw = [h.get("hardware") or {} for h, _ in records]
-    cpus = sorted(
-        {
-            f"{x.get('cpu', '?')} (torch kernels {x.get('cpu_capability', '?')}, pins {x.get('pins') or 'none'})"
-            for x in hw
-        }
-    )
-    lines += [
-        "### Where the numbers come from",
-        "",
-        f"{len(records)} runs, raw metrics in `results/runs/` (one gzipped JSON-lines file per run), on "
-        f"{'; '.join(cpus)}. Every number above: `rlkit-study {name} --analyse-only`.",
-        "",
-    ]
+    lines += provenance_lines(records, name)
     if plot_primary(spec, r["arms"], results):
         lines += [f"![{P.metric}](results/{P.metric.replace('/', '_')}.png)", ""]
     return "\n".join(lines)

@@ -11,7 +11,8 @@ import helpers
 from conftest import make_cfg
 from helpers import write_plugin
 from rlkit.config import ConfigError
-from rlkit.loop import collect, learn, run
+from rlkit.loop import collect, learn
+from rlkit.session import run
 from rlkit.setup import setup, validate
 
 

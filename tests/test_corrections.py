@@ -54,7 +54,8 @@ def test_sequence_is_uses_the_geometric_mean_or_the_product():
 
 
 def test_the_off_policy_sequence_mask_drops_only_negative_far_sequences():
-    # mean log(mu / pi_theta) at pi_theta = pi_old: row 0 -(ln 3 + ln 0.6)/3 = -0.196; row 1 -(ln 0.2 + ln 1.5)/2 = 0.602
+    # mean log(mu / pi_theta) at pi_theta = pi_old:
+    # row 0 -(ln 3 + ln 0.6)/3 = -0.196; row 1 -(ln 0.2 + ln 1.5)/2 = 0.602
     w, _ = weights(OffPolicySequenceMask(delta=0.5))  # row 1 has A < 0 and 0.602 > 0.5: dropped
     assert close(w, [[1.0] * 3, [0.0, 0.0, 0.0]])
     w, _ = weights(OffPolicySequenceMask(delta=0.5), adv=-ADV)  # row 0 negative but close: kept; row 1 positive: kept

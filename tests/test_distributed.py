@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from rlkit import parallel
 from rlkit.config import ConfigError
 from rlkit.loop import make_rollout
 from rlkit.setup import setup, validate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "plugins"))  # the example plugin
 
 
 def free_port() -> int:
@@ -41,6 +44,8 @@ PARALLEL_CASES = {
     "gae_whitening_and_critic": ["algo=ppo", "optim.epochs=1", "optim.mini_batches=1"],
     "shard": ["parallel=shard", "optim.micro_batch_size=0"],  # sharded policy and reference (one process: unsharded)
     "shared_prefix": ["optim.share_prefix=always", "optim.micro_batch_size=0"],  # each rank's groups share prompts
+    # the example plugin's batch-wide std (experiments/plugins), taken over both processes' groups
+    "example_plugin": ["advantage=dr_grpo", "advantage._target_=rlkit_example_plugin.advantage.ReinforcePPBaseline"],
 }
 
 

@@ -23,7 +23,7 @@ from rlkit import checkpoint
 from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_STORAGE
 from rlkit.guards import check_resume
-from rlkit.logging import _truncate
+from rlkit.sinks import _truncate
 from rlkit.tasks.base import TaskError
 from rlkit.train import run
 from test_reliability import command, metrics, wait_for
@@ -118,8 +118,7 @@ def test_a_kill_during_the_resume_rewrite_loses_no_line(tmp_path):
             [
                 sys.executable,
                 "-c",
-                f"from rlkit.logging import _truncate; "
-                f"from pathlib import Path; _truncate(Path({str(path)!r}), 39_999)",
+                f"from rlkit.sinks import _truncate; from pathlib import Path; _truncate(Path({str(path)!r}), 39_999)",
             ]
         )
         time.sleep(delay)

@@ -12,8 +12,8 @@ from rlkit.advantages import DrGRPO
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.config import build
 from rlkit.evaluate import evaluate, probe_entropy
-from rlkit.logging import JsonlLogger
 from rlkit.metrics import rollout_metrics, weight_metrics
+from rlkit.sinks import JsonlLogger
 
 
 def test_lengths_of_a_subset_with_no_member_are_missing():

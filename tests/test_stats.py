@@ -10,7 +10,7 @@ from scipy import stats as sps
 
 from rlkit.compare import main as compare_main
 from rlkit.compare import smoothed
-from rlkit.runs import Run, aggregate, x_of
+from rlkit.runs import RunHistory, aggregate, x_of
 from rlkit.stats import (
     compare,
     effect_size,
@@ -116,7 +116,7 @@ def test_iqm_and_probability_of_improvement_by_hand():
 
 
 def test_per_run_aggregates_by_hand():
-    run = Run("r", {}, {"m": [(0, 0.5), (10, 0.2), (20, 0.4), (30, 0.1)]})
+    run = RunHistory("r", {}, {"m": [(0, 0.5), (10, 0.2), (20, 0.4), (30, 0.1)]})
     assert aggregate(run, "m", "final") == 0.1 and aggregate(run, "m", "last:2") == pytest.approx(0.25)
     assert aggregate(run, "m", "best") == 0.4 and aggregate(run, "m", "best", lower=True) == 0.1  # step 0 not counted
     # trapezoids over 30 steps: (0.7 + 0.6 + 0.5) * 10 / 2 = 9 -> 0.3
@@ -125,14 +125,14 @@ def test_per_run_aggregates_by_hand():
     run.history["train/gen_tokens"] = [(10, 100.0), (20, 300.0), (30, 300.0)]
     assert aggregate(run, "m", "auc:tokens") == pytest.approx((35 + 90 + 75) / 700)
     assert aggregate(run, "m", "gain") == pytest.approx(0.1 - 0.5)  # the last value minus step 0's
-    assert aggregate(Run("r", {}, {"m": [(5, 0.5), (10, 0.2)]}), "m", "gain") is None  # no step-0 value
+    assert aggregate(RunHistory("r", {}, {"m": [(5, 0.5), (10, 0.2)]}), "m", "gain") is None  # no step-0 value
     with pytest.raises(ValueError, match="use final, last:K"):
         aggregate(run, "m", "last:0")
 
 
 def test_smoothing_and_token_axis():
     assert smoothed([(0, 1.0), (1, 3.0), (2, 5.0)], 2) == [(0, 1.0), (1, 2.0), (2, 4.0)]
-    run = Run("r", {}, {"train/gen_tokens": [(1, 100.0), (2, 50.0)], "eval/accuracy": [(0, 0.1), (2, 0.3)]})
+    run = RunHistory("r", {}, {"train/gen_tokens": [(1, 100.0), (2, 50.0)], "eval/accuracy": [(0, 0.1), (2, 0.3)]})
     assert x_of(run, "tokens") == {0: 0.0, 1: 100.0, 2: 150.0} and x_of(run, "step")[2] == 2.0
 
 

@@ -16,6 +16,10 @@ HERE = Path(__file__).parent / "probes"
 EVAL = ("eval/accuracy", "eval/acc_hard", "eval/mean@4", "eval/mean@4_hard")
 
 
+def mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
 def save(run_dir: Path) -> None:
     meta = json.loads((run_dir / "run.json").read_text())
     head = {
@@ -49,7 +53,6 @@ def table() -> str:
         head, rows = load(path)
         evals = [r for r in rows if "eval/accuracy" in r]
         ent = [r["train/entropy"] for r in rows if "train/entropy" in r]
-        mean = lambda xs: sum(xs) / len(xs) if xs else None
         shared = {"logger=jsonl", "threads=1", "checkpoint.every=0", "samples_every=0"}
         out.append(
             f"| {head['name']} | {head['hardware']['cpu_capability']} | "

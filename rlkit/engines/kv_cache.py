@@ -61,6 +61,22 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
     return (probs / torch.empty_like(probs).exponential_().clamp_(min=1e-30)).argmax(-1)  # [N]
 
 
+def prefill(model, tokenizer, prompts: list[str], max_new_tokens: int, lean: bool = True):
+    """The decoder after its prefill: each distinct prompt is prefilled once and its KV cache copied
+    to its rows.  -> decoder, logits [N, V], prompt_ids [N, Tp], prompt_mask [N, Tp]"""
+    device = next(model.parameters()).device
+    distinct = list(dict.fromkeys(prompts))
+    prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, distinct))  # [U, Tp]
+    dec = (decoder if lean else HFForward)(model, prompt_ids, prompt_mask, max_new_tokens)
+    logits = dec.prefill()  # [U, V]
+    if len(distinct) < len(prompts):
+        index = {p: i for i, p in enumerate(distinct)}
+        copies = torch.tensor([index[p] for p in prompts], device=device)  # [N]
+        dec.keep(copies)
+        logits, prompt_ids, prompt_mask = logits[copies], prompt_ids[copies], prompt_mask[copies]  # [N, ...]
+    return dec, logits, prompt_ids, prompt_mask
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -81,16 +97,8 @@ def generate(
     also return each sampled token's log-probability under softmax(logits / temperature), the
     distribution the trainer's log-probs measure (top-p not applied)."""
     device = next(model.parameters()).device
-    distinct = list(dict.fromkeys(prompts))  # a group's prompt is prefilled once, its KV cache copied to its rows
-    prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, distinct))  # [U, Tp]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    dec = (decoder if lean else HFForward)(model, prompt_ids, prompt_mask, max_new_tokens)
-    logits = dec.prefill()  # [U, V]
-    if len(distinct) < len(prompts):
-        index = {p: i for i, p in enumerate(distinct)}
-        copies = torch.tensor([index[p] for p in prompts], device=device)  # [N]
-        dec.keep(copies)
-        logits, prompt_ids, prompt_mask = logits[copies], prompt_ids[copies], prompt_mask[copies]  # [N, ...]
+    dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, lean)  # [N, V], [N, Tp]
     N = prompt_ids.shape[0]
     tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
     alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]

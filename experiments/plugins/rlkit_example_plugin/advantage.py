@@ -2,13 +2,16 @@
 
 import torch
 
+from rlkit import parallel
 from rlkit.advantages import centred, grouped, per_token
 from rlkit.components import AdvantageEstimator
 
 
 class ReinforcePPBaseline(AdvantageEstimator):
     """Subtract the group mean, then divide by the std of the whole batch (not of the group as
-    GRPO does), so low-variance groups are not up-weighted."""
+    GRPO does), so low-variance groups are not up-weighted. Under data parallel the batch is every
+    process's groups together, so the std is taken over all of them (`parallel.mean_std`), and two
+    processes give the advantages of one."""
 
     min_group_size = 2
 
@@ -16,5 +19,6 @@ class ReinforcePPBaseline(AdvantageEstimator):
         self.eps = eps
 
     def __call__(self, rollout, values=None) -> torch.Tensor:
-        diff, _ = centred(grouped(rollout))  # [P, G]
-        return per_token(diff / (diff.std() + self.eps), rollout)  # [N, Tc]
+        diff, _ = centred(grouped(rollout))  # [P, G] this process's groups
+        std = parallel.mean_std(diff.reshape(-1))[1]  # [] over every process's groups
+        return per_token(diff / (std + self.eps), rollout)  # [N, Tc]

@@ -1,0 +1,93 @@
+"""One training run's life as a process: join the process group, check the config, hold the run
+directory's lock and the stop signals, build the run (`setup`), repeat `loop.step`, checkpoint
+when due or when stopped, and write the summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from rlkit import checkpoint, files, parallel
+from rlkit.guards import NonFiniteError, Preempted, RunDirLock, StopSignals, check_writable
+from rlkit.hardware import check_portable
+from rlkit.loop import step
+from rlkit.setup import setup, validate
+from rlkit.state import Run
+
+
+def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
+    """Train as `cfg` says, writing to `run_dir`; `run_info` carries the chosen options (`choices`)
+    and sweep name for the logger."""
+    t0 = time.perf_counter()
+    rank, world = parallel.init(cfg.device)
+    agreed = False  # whether every rank ends here the same way (finished, or stopped after the same step)
+    try:
+        summary = run_steps(cfg, run_dir, run_info or {}, rank, world, t0)
+        agreed = True
+        return summary
+    except (Preempted, NonFiniteError):  # decided on every rank after the same step
+        agreed = True
+        raise
+    finally:
+        parallel.close(agreed)
+
+
+def run_steps(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, t0: float) -> dict:
+    components = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
+    check_portable(cfg.portable)
+    check_writable(run_dir, "hydra.run.dir")
+    with RunDirLock(run_dir) if rank == 0 else nullcontext(), StopSignals() as stop:  # SIGTERM/SIGINT: finish the step
+        run = setup(cfg, run_dir, run_info, components, stop)
+        run.runtime.t0 = t0
+        if stop.received:
+            raise Preempted(f"stopped by {stop.received} before the first step; rerun the same command to start")
+        start = run.progress.start
+        bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="rlkit", file=sys.stderr)
+        for n in bar:
+            metrics, stats = step(run, n)
+            bar.set_postfix(
+                reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{run.progress.last_eval['eval/accuracy']:.2f}"
+            )
+            stopping = parallel.any_rank(bool(stop.received))  # every rank stops after the same step
+            if n == cfg.steps or (cfg.checkpoint.every and n % cfg.checkpoint.every == 0) or stopping:
+                path = checkpoint.save_run(run, n)
+            if stopping:
+                run.runtime.logger.finish()
+                raise Preempted(
+                    f"stopped by {stop.received or 'a signal to another rank'} after step {n}; "
+                    f"checkpoint {path}; rerun the same command (same hydra.run.dir) to resume"
+                )
+            run.runtime.guard.record(stats.skipped, n)
+        run.runtime.logger.finish()
+        return write_summary(run)
+
+
+def write_summary(run: Run) -> dict:
+    """summary.json and the closing line; wall time counts every session of the run, set-up included.
+    A rerun of a finished run keeps its summary."""
+    rt, p, steps = run.runtime, run.progress, run.cfg.steps
+    path = Path(rt.run_dir, "summary.json")
+    if rt.rank:
+        return {}
+    if p.finished_before and path.exists():
+        print(f"rlkit: the run in {rt.run_dir} had already finished at step {p.start}; nothing to do", file=sys.stderr)
+        return json.loads(path.read_text())
+    summary = {
+        "accuracy_before": p.first_eval["eval/accuracy"],
+        "accuracy_after": p.last_eval["eval/accuracy"],
+        "steps": steps,
+        "wall_s": round(run.wall_s(), 1),
+    }
+    files.write_text(path, json.dumps(summary, indent=1))
+    print(
+        f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
+        f"in {summary['wall_s']:.0f}s over {steps} steps ({rt.run_dir})",
+        file=sys.stderr,
+    )
+    return summary
