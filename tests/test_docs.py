@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from rlkit import compare, study
+from rlkit.analysis import compare, study, study_cli
 from rlkit.setup import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def check_command(cmd: str) -> None:
         elif tokens[0] == "rlkit-compare":
             assert compare.parser().parse_args(tokens[1:]).metric
         elif tokens[0] == "rlkit-study":
-            name, path = study.study_paths(study.parser().parse_args(tokens[1:]).study)
+            name, path = study_cli.study_paths(study_cli.parser().parse_args(tokens[1:]).study)
             spec = study.load_spec(path)
             for arm in study.every_arm(spec):
                 check_train(study.overrides(spec, arm), 1)

@@ -250,7 +250,7 @@ def test_a_damaged_warm_start_cache_is_named_and_trained_again(tmp_path, capsys)
 
 
 def test_compare_refuses_a_metric_nobody_logged(tmp_path, capsys, warm_cache):
-    from rlkit.compare import main
+    from rlkit.analysis.compare import main
 
     run(make_cfg(["steps=1"], cache_dir=warm_cache), str(tmp_path / "run"))
     with pytest.raises(SystemExit) as e:

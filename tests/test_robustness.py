@@ -12,7 +12,7 @@ import pytest
 
 from conftest import FAST, make_cfg
 from helpers import SIGN_ONLY, write_plugin
-from rlkit.compare import main as compare_main
+from rlkit.analysis.compare import main as compare_main
 from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from rlkit.guards import RunDirLock

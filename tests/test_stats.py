@@ -8,10 +8,10 @@ import pytest
 from matplotlib.image import imread
 from scipy import stats as sps
 
-from rlkit.compare import main as compare_main
-from rlkit.compare import smoothed
-from rlkit.runs import RunHistory, aggregate, x_of
-from rlkit.stats import (
+from rlkit.analysis.compare import main as compare_main
+from rlkit.analysis.compare import smoothed
+from rlkit.analysis.runs import RunHistory, aggregate, x_of
+from rlkit.analysis.stats import (
     compare,
     effect_size,
     holm,

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, make_cfg
-from rlkit import stats
-from rlkit.study import StudyError, every_arm, load_spec, plan, read_records
-from rlkit.study import main as study_main
-from rlkit.verdict import MARKER, analyse, report
+from rlkit.analysis import stats
+from rlkit.analysis.records import plan, read_records
+from rlkit.analysis.study import StudyError, every_arm, load_spec
+from rlkit.analysis.study_cli import main as study_main
+from rlkit.analysis.verdict import MARKER, analyse, report
 from test_reliability import TIMING
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,7 +181,7 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     folder.mkdir(parents=True)
     (folder / "study.yaml").write_text(TINY.format(config=json.dumps([*FAST, f"warm_start.cache_dir={warm_cache}"])))
     (folder / "README.md").write_text("# Tiny\n\nHand-written setup, kept.\n")
-    cmd = [sys.executable, "-m", "rlkit.study", "tiny"]
+    cmd = [sys.executable, "-m", "rlkit.analysis.study_cli", "tiny"]
     runs = tmp_path / "outputs" / "studies" / "tiny"
 
     def start_and_wait_for(path):
@@ -246,7 +247,7 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     twin.mkdir()
     (twin / "study.yaml").write_text(declared)
     both = subprocess.run(
-        [sys.executable, "-m", "rlkit.study", "twin", "--jobs", "2"],
+        [sys.executable, "-m", "rlkit.analysis.study_cli", "twin", "--jobs", "2"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -312,3 +313,14 @@ def test_the_study_testbed_probe_table_is_the_one_its_readme_shows():
     probes = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probes)
     assert probes.table() in (folder / "README.md").read_text()
+
+
+def test_the_readme_studies_table_is_the_one_its_script_prints():
+    """README.md's studies table comes from the studies' own files, by one command."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("studies", REPO / "experiments" / "studies.py")
+    studies = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(studies)
+    assert studies.readme_table() == studies.table()
+    assert "| [rloo_vs_dr_grpo](experiments/rloo_vs_dr_grpo/README.md) |" in studies.table()

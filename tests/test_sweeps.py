@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_module
 from matplotlib.image import imread
 
 from conftest import FAST, make_cfg
-from rlkit.compare import main as compare_main
-from rlkit.stats import mean_ci
+from rlkit.analysis.compare import main as compare_main
+from rlkit.analysis.stats import mean_ci
 from rlkit.train import run
 from wandb_files import read_records
 
@@ -128,8 +128,8 @@ def test_compare_tables_and_plots(tmp_path, capsys):
     assert compare_main([str(tmp_path), "--by", "algo", "--metric", "eval/accuracy", "--threshold", "0.5"]) == 0
     md = (tmp_path / "compare" / "compare.md").read_text()
     # grpo final [0.5, 0.7, 0.6] -> 0.600 ± 0.248; best [0.5, 0.7, 0.6] same; steps to 0.5: [10, 10, 20]
-    # -> mean 13.333, sd 5.7735, ci 4.3027*5.7735/sqrt(3) = 14.342; wall [100, 110, 120] -> 110 ± 24.842
-    assert "| grpo | 3 | 0.600 ± 0.248 | 0.600 ± 0.248 | 13.333 ± 14.342 (3/3 runs) | 110.000 ± 24.842 |" in md
+    # -> mean 13.333, sd 5.7735, ci 4.302653*5.7735/sqrt(3) = 14.342; wall [100, 110, 120] -> 110 ± 24.841
+    assert "| grpo | 3 | 0.600 ± 0.248 | 0.600 ± 0.248 | 13.333 ± 14.342 (3/3 runs) | 110.000 ± 24.841 |" in md
     assert "| rloo | 1 | 0.450 | 0.450 | never (0/1) | 90.000 |" in md
     png = tmp_path / "compare" / "eval_accuracy.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and imread(png).shape[2] in (3, 4)

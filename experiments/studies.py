@@ -1,0 +1,84 @@
+"""The README's studies table, from the studies' own files: each declared study's verdicts and
+primary differences recomputed from its `results/` (as `rlkit-study <name> --analyse-only` does),
+its replication on a second warm-start seed (`<name>_ws1`) beside it, and for a study without runs
+the `**Status.**` line of its README.
+
+    python experiments/studies.py           # prints the table
+    python experiments/studies.py --write   # and writes it into the README, between its markers
+"""
+
+import re
+import sys
+from pathlib import Path
+
+from rlkit.analysis.records import read_plan, read_records
+from rlkit.analysis.study import load_spec
+from rlkit.analysis.verdict import analyse
+
+HERE = Path(__file__).parent
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- studies table: python experiments/studies.py -->", "<!-- end of studies table -->"
+STUDIES = ["rloo_vs_dr_grpo", "dynamic_sampling", "difficulty_bias", "off_policy", "clip_higher", "length_bias"]
+
+
+def verdicts(name: str) -> dict | None:
+    """{treatment: (verdict, primary difference in words)} of a study with runs, else None."""
+    folder = HERE / name
+    if not (folder / "results" / "plan.json").exists():
+        return None
+    spec = load_spec(folder / "study.yaml")
+    r = analyse(spec, read_records(folder / "results"), read_plan(folder / "results" / "plan.json"))
+    return {arm: (r["verdicts"][arm][0], short(r["diffs"][arm].describe()), r) for arm in r["treatments"]}
+
+
+def short(described: str) -> str:
+    """`+0.130 [+0.112, +0.148], d_z = ..., p = 6.2e-07 (paired t, n = 8)` -> `+0.130 [+0.112, +0.148] (n = 8)`"""
+    n = re.search(r"n = \d+", described)
+    return described.split(", d_z")[0] + (f" ({n.group(0)})" if n else "")
+
+
+def status(name: str) -> str:
+    found = re.search(r"^\*\*Status\.\*\* (.+)$", (HERE / name / "README.md").read_text(), re.M)
+    return found.group(1) if found else "not run"
+
+
+def row(name: str) -> str:
+    spec = load_spec(HERE / name / "study.yaml")
+    claim = " ".join(spec.claim.split())
+    link = f"[{name}](experiments/{name}/README.md)"
+    mine = verdicts(name)
+    if mine is None:
+        return f"| {link} | {claim} | open | | {status(name)} |"
+    again = verdicts(f"{name}_ws1") if (HERE / f"{name}_ws1").exists() else None
+    words, numbers, replication = [], [], []
+    for arm, (word, diff, r) in mine.items():
+        words.append(f"{arm}: {word}" if len(mine) > 1 else word)
+        numbers.append(f"{arm} - {spec.baseline}: {diff}")
+        if again is not None:
+            same = again[arm][0] == word
+            replication.append(f"{'replicated' if same else 'not replicated'} ({again[arm][0]}; {again[arm][1]})")
+    learned = {True: "; baseline learned", False: "; baseline did not learn", None: ""}[r["learned"]]
+    return (
+        f"| {link} | {claim} | {'; '.join(words)} | {'; '.join(replication) or 'not run'} | "
+        f"{'; '.join(numbers)}{learned} |"
+    )
+
+
+def table() -> str:
+    head = [
+        "| study | claim | verdict | replication (warm_start.seed=1) | primary difference (95% interval) |",
+        "|---|---|---|---|---|",
+    ]
+    return "\n".join(head + [row(name) for name in STUDIES])
+
+
+def readme_table() -> str:
+    """The table as the README shows it now."""
+    return README.read_text().split(BEGIN)[1].split(END)[0].strip()
+
+
+if __name__ == "__main__":
+    print(table())
+    if "--write" in sys.argv:
+        before, rest = README.read_text().split(BEGIN)
+        README.write_text(before + BEGIN + "\n" + table() + "\n" + END + rest.split(END)[1])

@@ -1,0 +1,172 @@
+"""What a study keeps: one gzipped JSON-lines file per finished run (its head: arm, seed,
+overrides, the declaration, config and hardware; then its metric rows), the plan fixed from the
+pilot, and the checks that the study file still says what the runs were made under."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from pathlib import Path
+
+from rlkit import files
+from rlkit.analysis import stats
+from rlkit.analysis.study import Stopped, StudySpec, changes, declared, every_arm, overrides, with_defaults
+from rlkit.analysis.verdict import per_run, runs_by_arm
+from rlkit.exits import EXIT_BAD_INPUT
+
+
+def record_path(results: Path, arm: str, seed: int) -> Path:
+    return results / "runs" / f"{arm}_seed{seed}.jsonl.gz"
+
+
+def record(spec: StudySpec, results: Path, arm: str, seed: int, run_dir: Path, exit_code: int) -> None:
+    """The run's metrics, config and hardware, written whole (a kill leaves no half file)."""
+    meta = json.loads((run_dir / "run.json").read_text())
+    body = (run_dir / "metrics.jsonl").read_text()
+    head = {
+        "arm": arm,
+        "seed": seed,
+        "exit": exit_code,
+        "finished": (run_dir / "summary.json").exists(),
+        "overrides": overrides(spec, arm),
+        "declared": declared(spec),
+        "rows": len(body.splitlines()),
+        "choices": meta["choices"],
+        "config": meta["config"],
+        "hardware": meta.get("hardware"),
+    }
+    path = record_path(results, arm, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with files.staged(path, path.name) as tmp:
+        tmp.write_bytes(gzip.compress((json.dumps(head) + "\n" + body).encode(), mtime=0))
+
+
+def read_records(results: Path) -> list[tuple[dict, list[dict]]]:
+    """Every recorded run: (head, metric rows). A damaged record (cut short, re-packed after a cut,
+    not JSON) stops the analysis naming every such file; the intact ones are not touched."""
+    out, damaged = [], []
+    paths = sorted((results / "runs").glob("*.jsonl.gz"))
+    for path in paths:
+        try:
+            lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+            head, rows = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+            if not isinstance(head, dict) or {"arm", "seed", "finished"} - set(head):
+                raise ValueError("its first line is not a record's head")
+            if "rows" in head and head["rows"] != len(rows):
+                raise ValueError(f"it holds {len(rows)} metric rows of the {head['rows']} recorded")
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError, IndexError) as e:
+            damaged.append(f"{path} ({type(e).__name__}: {e})")
+            continue
+        out.append((head, rows))
+    if damaged:
+        raise Stopped(
+            EXIT_BAD_INPUT,
+            f"damaged record(s): {'; '.join(damaged)}. Restore them from version control, "
+            f"or delete them and rerun `rlkit-study` without --analyse-only to run those arms and seeds "
+            f"again; the other {len(paths) - len(damaged)} records are intact and kept",
+        )
+    return out
+
+
+def read_plan(path: Path) -> dict:
+    """The plan fixed from the pilot; a damaged file is named with what to do."""
+    try:
+        plan_ = json.loads(path.read_text())
+        if not isinstance(plan_, dict) or {"seeds", "declared"} - set(plan_):
+            raise ValueError("not a plan")
+        return plan_
+    except (OSError, ValueError) as e:
+        raise Stopped(
+            EXIT_BAD_INPUT,
+            f"{path} is damaged ({type(e).__name__}: {e}): restore it from version "
+            "control, or delete it and rerun `rlkit-study` without --analyse-only, which fixes the plan "
+            "again from the pilot's records (the same plan)",
+        ) from None
+
+
+def check_declaration(spec: StudySpec, name: str, results: Path, records: list) -> None:
+    """The study file says what the runs were made under: the overrides of every recorded run's arm,
+    and the declaration kept with the plan and with each record. An edit after the runs would
+    otherwise change the verdict (or the README's protocol) silently."""
+    fix = (
+        "restore the study file (e.g. `git checkout` it); a changed declaration is a new study: copy it to a new "
+        "folder and run that"
+    )
+    for head, _ in records:
+        known = head["arm"] in every_arm(spec)
+        if not known or head.get("overrides") != overrides(spec, head["arm"]):
+            raise Stopped(
+                EXIT_BAD_INPUT,
+                f"{name}: {head['arm']} seed {head['seed']} was recorded with overrides "
+                f"{head.get('overrides')}, but the study file now says "
+                f"{overrides(spec, head['arm']) if known else 'no such arm'}; {fix}",
+            )
+    plan_file, now = results / "plan.json", declared(spec)
+    kept = [(str(plan_file), read_plan(plan_file)["declared"])] if plan_file.exists() else []
+    kept += [(f"the record of {h['arm']} seed {h['seed']}", h["declared"]) for h, _ in records if "declared" in h]
+    for where, was in kept:
+        was = with_defaults(was)
+        if was != now:
+            raise Stopped(
+                EXIT_BAD_INPUT,
+                f"{name}: the study file differs from the declaration in {where}, under "
+                f"which the runs were made: {'; '.join(changes(was, now))}; {fix}",
+            )
+
+
+def check_logged(spec: StudySpec, records: list) -> None:
+    """Every declared metric was logged by the pilot's runs (the engagement metric by a treatment
+    arm's), so a misspelled name stops the study before it spends the rest of its seeds."""
+    logged: dict[str, set] = {}
+    for head, rows in records:
+        logged.setdefault(head["arm"], set()).update(k for row in rows for k in row)
+    everywhere = set.union(*logged.values()) if logged else set()
+    missing = [
+        m.metric
+        for m in [spec.primary, *spec.secondary, *([spec.learning] if spec.learning else [])]
+        if m.metric not in everywhere
+    ]
+    e = spec.engagement
+    if e is not None and not any(
+        e.metric in logged.get(a, ()) for a in ([e.arm] if e.arm else spec.arms) if e.arm or a != spec.baseline
+    ):
+        missing.append(spec.engagement.metric)
+    if missing:
+        raise Stopped(
+            EXIT_BAD_INPUT,
+            f"no pilot run logged {', '.join(missing)}; logged: {', '.join(sorted(everywhere - {'step'}))[:1500]}",
+        )
+
+
+def plan(spec: StudySpec, records: list) -> dict:
+    """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
+    declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
+    pilot = [(head, rows) for head, rows in records if head["seed"] < spec.seeds.pilot]  # a replan gives the same plan
+    values = per_run(runs_by_arm(pilot)[0], spec.primary)
+    treatments = [a for a in spec.arms if a != spec.baseline]
+    alpha = spec.alpha / len(treatments)
+    out = {
+        "pilot_seeds": spec.seeds.pilot,
+        "cap": spec.seeds.cap,
+        "alpha_for_planning": alpha,
+        "arms": {},
+        "declared": declared(spec),
+    }
+    for arm in treatments:
+        pairs = [(values[spec.baseline][s], values[arm][s]) for s in values[arm] if s in values[spec.baseline]]
+        d = stats.paired([a for a, _ in pairs], [b for _, b in pairs])
+        sd = stats.inflated_sd(d.sd, d.n, spec.seeds.pilot_confidence) if d.n >= 2 else float("nan")
+        if spec.primary.direction == "equal":
+            need = stats.seeds_for_equivalence(spec.primary.smallest_effect, sd, spec.power, alpha)
+        else:
+            need = stats.seeds_for_power(spec.primary.smallest_effect, sd, True, spec.power, alpha)
+        out["arms"][arm] = {
+            "pilot_pairs": d.n,
+            "pilot_sd": d.sd,
+            "planning_sd": sd,
+            "needed": need if need is not None else spec.seeds.pilot,
+        }
+    needed = max(a["needed"] for a in out["arms"].values())
+    out.update(needed=needed, seeds=min(spec.seeds.cap, max(spec.seeds.pilot, needed)), capped=needed > spec.seeds.cap)
+    return out

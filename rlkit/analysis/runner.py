@@ -1,0 +1,149 @@
+"""Running a study: every arm at every seed through `rlkit-train`, each run in its own process on
+one thread, `jobs` at a time; a signal is forwarded to the runs in progress and no new one starts;
+the pilot, then the plan (fixed once), then the planned seeds."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlkit import files
+from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
+from rlkit.analysis.study import Stopped, StudySpec, every_arm, overrides
+from rlkit.exits import EXIT_PREEMPTED
+
+
+class Signals:
+    """While the study runs: SIGINT or SIGTERM is forwarded once to each training run in progress
+    (which checkpoints and exits 75), and no further run starts."""
+
+    def __init__(self):
+        self.procs, self.received = set(), None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, sig, frame) -> None:
+        self.received = signal.Signals(sig).name
+        for proc in list(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(sig)
+
+
+def start(spec: StudySpec, arm: str, seed: int, run_dir: Path, signals: Signals) -> subprocess.Popen:
+    """One run through `rlkit-train` in its own process (so nothing carries over between runs), on
+    one thread (so a study gives the same numbers however many runs share the machine); its output
+    goes to `<run_dir>.log`. A rerun of an interrupted run resumes from its checkpoint. The run sits
+    in a session of its own, so a signal to the study reaches it once, through `signals`; if the
+    study is killed outright, so is the run."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlkit.train",
+        *overrides(spec, arm),
+        f"seed={seed}",
+        "threads=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{run_dir}.log", "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
+    signals.procs.add(proc)
+    return proc
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: on Linux, be killed when the study process dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def finished(running: dict, signals: Signals) -> tuple[subprocess.Popen, tuple]:
+    """The first of the running processes to end, with what it was started for."""
+    while True:
+        for proc in running:
+            if proc.poll() is not None:
+                signals.procs.discard(proc)
+                return proc, running.pop(proc)
+        time.sleep(0.2)
+
+
+def run_seeds(
+    spec: StudySpec, name: str, seeds: range, runs: Path, results: Path, signals: Signals, jobs: int = 1
+) -> None:
+    """Every arm (and control) at every seed in `seeds` that is not recorded yet, seed by seed (pairs
+    complete early), `jobs` runs at a time. A failed or stopped run lets the others finish (and be
+    recorded) and starts no new one."""
+    todo = [(arm, seed) for seed in seeds for arm in every_arm(spec) if not record_path(results, arm, seed).exists()]
+    running, stop = {}, None
+    while todo or running:
+        while todo and len(running) < jobs and stop is None and not signals.received:
+            arm, seed = todo.pop(0)
+            run_dir = runs / arm / f"seed_{seed}"
+            running[start(spec, arm, seed, run_dir, signals)] = (arm, seed, run_dir, time.time())
+        if not running:
+            break
+        proc, (arm, seed, run_dir, t0) = finished(running, signals)
+        code = proc.returncode
+        print(
+            f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
+            file=sys.stderr,
+        )
+        if code in (0, 3) and (run_dir / "metrics.jsonl").exists():  # 3: stopped by non-finite updates; kept, named
+            record(spec, results, arm, seed, run_dir, code)
+        elif code == EXIT_PREEMPTED or (signals.received and code < 0):  # < 0: hit before it could checkpoint
+            stop = stop or Stopped(
+                EXIT_PREEMPTED,
+                f"{name}: stopped by {signals.received or 'a signal'} during "
+                f"{arm} seed {seed}; rerun the same command to resume",
+            )
+        else:
+            stop = stop or Stopped(
+                code if code > 0 else 1,
+                f"{name}: {arm} seed {seed} failed (exit {code}); see "
+                f"{run_dir}.log. Fix the cause and rerun the same command: recorded runs are kept",
+            )
+    if stop is not None:
+        raise stop
+    if todo:
+        arm, seed = todo[0]
+        raise Stopped(
+            EXIT_PREEMPTED,
+            f"{name}: stopped by {signals.received} before {arm} seed {seed}; rerun the same command to resume",
+        )
+
+
+def run_all(spec: StudySpec, name: str, runs: Path, results: Path, jobs: int = 1) -> None:
+    """The pilot, the plan (fixed once), then the planned seeds, `jobs` runs at a time."""
+    with Signals() as signals:
+        run_planned(spec, name, runs, results, signals, jobs)
+
+
+def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals, jobs: int) -> None:
+    check_declaration(spec, name, results, read_records(results))
+    run_seeds(spec, name, range(spec.seeds.pilot), runs, results, signals, jobs)
+    check_logged(spec, read_records(results))
+    plan_file = results / "plan.json"
+    if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
+        files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
+    fixed = read_plan(plan_file)
+    print(
+        f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap {fixed['cap']})",
+        file=sys.stderr,
+    )
+    run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals, jobs)

@@ -1,0 +1,171 @@
+"""The study model: a study file (`experiments/<name>/study.yaml`) fixes, before any run, the arms,
+the claim, the primary metric and its per-run aggregate, the direction and smallest effect of
+interest, alpha and power, the secondary metrics, an engagement check, a learning check, control
+arms and the seed cap. `load_spec` reads and checks it; `declared` is the declaration as plain
+data, which the plan and every record keep."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlkit.analysis.runs import parse_aggregate
+
+
+@dataclass
+class MetricSpec:
+    metric: str = MISSING  # a logged metric, e.g. eval/accuracy
+    aggregate: str = "last:3"  # each run's one number: final, last:K, auc, auc:tokens or best (after step 0)
+    lower: bool = False  # lower values are better (lengths, losses)
+
+
+@dataclass
+class Primary(MetricSpec):
+    direction: str = MISSING  # the claimed effect of each treatment against the baseline: higher, lower or equal
+    smallest_effect: float = MISSING  # the smallest difference of interest; for `equal`, the equivalence margin
+
+
+@dataclass
+class Engagement(MetricSpec):
+    at_least: float | None = None  # each treatment arm's mean aggregate must reach this ...
+    at_most: float | None = None  # ... or stay below this, for the treatment to count as applied
+    arm: str | None = None  # or this one arm's (e.g. the baseline's: the mechanism must bind there)
+
+
+@dataclass
+class Learning(MetricSpec):
+    """The baseline arm must learn for any verdict to count: its mean `aggregate` of `metric` per
+    run (by default held-out accuracy, the mean of the last 3 evaluations minus step 0) is above 0
+    with its 95% interval."""
+
+    metric: str = "eval/accuracy"
+    aggregate: str = "gain:3"
+
+
+@dataclass
+class Seeds:
+    pilot: int = 3  # paired seeds per arm run first; their spread plans the rest
+    cap: int = 20  # most seeds per arm the study may spend
+    pilot_confidence: float = 0.8  # the pilot's sd is raised to this upper confidence limit before planning
+
+
+@dataclass
+class StudySpec:
+    claim: str = MISSING  # the published claim under test, in one or two sentences
+    source: str = MISSING  # the paper (authors, year, arXiv id)
+    config: list = field(
+        default_factory=list
+    )  # overrides every arm shares (the testbed), e.g. [+experiment=wide_testbed]
+    arms: dict = MISSING  # arm name -> its own overrides; arms differ in one mechanism
+    baseline: str = MISSING  # the arm the others are compared with
+    primary: Primary = MISSING
+    secondary: list = field(default_factory=list)  # MetricSpec entries, Holm-corrected together
+    engagement: Engagement | None = None  # a metric that shows the treatment acted
+    learning: Learning | None = None  # a check that the baseline learns at all; failing it, no verdict
+    controls: dict = field(default_factory=dict)  # control arm name -> overrides (e.g. [reward.shuffle=group]),
+    # run at the same seeds and reported beside the baseline on the learning metric, outside the tests
+    alpha: float = 0.05
+    power: float = 0.8
+    seeds: Seeds = field(default_factory=Seeds)
+
+
+class StudyError(ValueError):
+    """A study file that cannot run as written."""
+
+
+class Stopped(Exception):
+    """The study stops here; `code` is its exit status."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def load_spec(path: Path) -> StudySpec:
+    """The study file checked against `StudySpec`: unknown or missing keys and impossible values are named."""
+    try:
+        loaded = OmegaConf.load(path)
+        check_lists(path, loaded)
+        merged = OmegaConf.merge(OmegaConf.structured(StudySpec), loaded)
+        merged.secondary = [OmegaConf.merge(OmegaConf.structured(MetricSpec), s) for s in merged.secondary]
+        spec = OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, OSError, yaml.YAMLError) as e:
+        raise StudyError(f"{path} cannot be read as a study file: {e}".strip()) from None
+    problems = []
+    if spec.baseline not in spec.arms or len(spec.arms) < 2:
+        problems.append(f"baseline {spec.baseline!r} must be one of at least two arms (arms: {', '.join(spec.arms)})")
+    if spec.primary.direction not in ("higher", "lower", "equal"):
+        problems.append(f"primary.direction must be higher, lower or equal, got {spec.primary.direction!r}")
+    if not spec.primary.smallest_effect > 0:
+        problems.append("primary.smallest_effect must be > 0")
+    if not (0 < spec.alpha < 0.5 and 0.5 <= spec.power < 1):
+        problems.append(f"alpha must be in (0, 0.5) and power in [0.5, 1), got {spec.alpha}, {spec.power}")
+    if not 2 <= spec.seeds.pilot <= spec.seeds.cap:
+        problems.append(f"seeds need 2 <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
+    if set(spec.controls) & set(spec.arms):
+        problems.append(f"a control may not share an arm's name: {', '.join(set(spec.controls) & set(spec.arms))}")
+    if spec.controls and spec.learning is None:
+        problems.append("controls are compared with the baseline on the learning metric: declare `learning` too")
+    if spec.engagement is not None and (spec.engagement.at_least is None) == (spec.engagement.at_most is None):
+        problems.append("engagement needs exactly one of at_least and at_most")
+    if spec.engagement is not None and spec.engagement.arm not in (None, *spec.arms):
+        problems.append(f"engagement.arm {spec.engagement.arm!r} is not one of the arms ({', '.join(spec.arms)})")
+    for m in [spec.primary, *spec.secondary, *[c for c in (spec.engagement, spec.learning) if c is not None]]:
+        try:
+            parse_aggregate(m.aggregate)
+        except ValueError as e:
+            problems.append(f"{m.metric}: {e}")
+    if problems:
+        raise StudyError(f"{path}: " + "; ".join(problems))
+    return spec
+
+
+def check_lists(path: Path, loaded) -> None:
+    """The shared overrides and each arm's are lists (a string would be taken apart into characters)."""
+    if not OmegaConf.is_dict(loaded) or not OmegaConf.is_dict(loaded.get("arms", {})):
+        raise StudyError(f"{path}: a study file is a mapping whose `arms` map each arm's name to its overrides")
+    arms = [(f"{group}.{a}", o) for group in ("arms", "controls") for a, o in (loaded.get(group) or {}).items()]
+    for where, value in [("config", loaded.get("config", [])), *arms]:
+        if not (OmegaConf.is_list(value) or isinstance(value, list)):
+            raise StudyError(f"{path}: {where} must be a list of overrides, e.g. [algo=grpo], got {value!r}")
+
+
+def every_arm(spec: StudySpec) -> dict:
+    """The arms under test and the control arms: name -> own overrides."""
+    return {**spec.arms, **spec.controls}
+
+
+def overrides(spec: StudySpec, arm: str) -> list[str]:
+    return [*spec.config, *every_arm(spec)[arm]]
+
+
+def declared(spec: StudySpec) -> dict:
+    """The whole declaration as plain data: the plan and every record keep it, and a study file that
+    no longer says the same is refused, for new runs and for the analysis alike."""
+    return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(spec))))
+
+
+def with_defaults(was: dict) -> dict:
+    """A kept declaration with the keys the study schema gained since at their defaults (a study
+    file that never named them still declares the same), so only what was said is compared."""
+    try:
+        return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(StudySpec), was))))
+    except OmegaConfBaseException:  # a key the schema no longer has: compared as it was kept
+        return was
+
+
+def changes(was: dict, now: dict, prefix: str = "") -> list[str]:
+    """'key: old -> new' for every leaf where two declarations differ."""
+    out = []
+    for k in sorted(set(was) | set(now), key=str):
+        a, b = was.get(k, "(absent)"), now.get(k, "(absent)")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
