@@ -9,49 +9,11 @@ from __future__ import annotations
 
 import heapq
 import sys
-from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
-from rlkit.models import AdaptersOff
-from rlkit.parallel import is_sharded
+from rlkit.llama import base_model, causal_parts, completion_width, positions, shared_hidden
 from rlkit.types import Rollout
-
-LEAN_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)  # [N, S]
-
-
-def base_model(model):
-    """The causal LM under a peft wrapper (its LoRA layers stay in place)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def lean_supported(model) -> bool:
-    m = base_model(model)
-    cfg = m.config
-    if getattr(cfg, "model_type", None) not in LEAN_TYPES or not hasattr(m, "lm_head"):
-        return False
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-        return False
-    return not (cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None))
-
-
-def causal_parts(model):
-    """(decoder stack, lm_head, context to run them in) of a Llama-family causal LM, under peft or
-    as rlkit's adapters-off reference (`rlkit.models.AdaptersOff`); None for any other model.
-    For these models logits are exactly lm_head(decoder(...)), so hidden states can be gathered
-    before the head."""
-    context = nullcontext()
-    if isinstance(model, AdaptersOff):
-        model, context = model.policy[0], model.policy[0].disable_adapter()
-    if not lean_supported(model) or is_sharded(model):  # a sharded model runs through its own forward
-        return None
-    m = base_model(model)
-    return m.model, m.lm_head, context
 
 
 def pack(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
@@ -68,12 +30,6 @@ def pack(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
             bins[i] = len(room)
             heapq.heappush(room, (lengths[i] - width, len(room)))
     return bins, offset, len(room)
-
-
-def completion_width(completion_mask: torch.Tensor) -> int:
-    """Columns up to the last completion token any row has (at least 1).  [n, Tc] -> int"""
-    used = completion_mask.any(0).nonzero()  # [k, 1]
-    return int(used.max()) + 1 if len(used) else 1
 
 
 def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -160,71 +116,6 @@ def packed_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
     where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each: (row, column) of each completion token
     before = offset[where[0]] + plen[where[0]] + where[1] - 1  # [K] packed column predicting it
     return hidden[bins[where[0]], before], where
-
-
-def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """`packed_hidden` with each distinct prompt of the rows computed once: the decoder runs over
-    the U distinct prompts and, beside them, over the n completions, whose attention reads the keys
-    and values of their own prompt (copied per row, so its gradient gathers from every completion)
-    and of their own earlier tokens; position ids continue from the prompt. A group of G
-    completions costs prompt + G x completion tokens instead of G x (prompt + completion), and no
-    attention score between two completions of a group is computed. Same hidden states as the
-    unshared forward (to float rounding).  -> hidden [K, H] and `where` of the K completion tokens"""
-    distinct, owner = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, Tp], [n]
-    first = torch.zeros(len(distinct), dtype=torch.long, device=owner.device).scatter_(
-        0, owner, torch.arange(len(owner), device=owner.device)
-    )  # [U] a row with each prompt (any: they are equal)
-    p_mask = prompt_mask[first].bool()  # [U, Tp]
-    tc = completion_width(completion_mask)
-    c_ids, c_mask = completion_ids[:, :tc], completion_mask[:, :tc].bool()  # [n, tc]
-    Tp, dev = distinct.shape[1], distinct.device
-    p_pos = positions(p_mask.long())  # [U, Tp]
-    c_pos = p_mask.sum(-1)[owner][:, None] + torch.arange(tc, device=dev)  # [n, tc]
-    causal_p = torch.ones(Tp, Tp, dtype=torch.bool, device=dev).tril()
-    p_attn = ((causal_p & p_mask[:, None, :]) | torch.eye(Tp, dtype=torch.bool, device=dev))[:, None]  # [U, 1, Tp, Tp]
-    causal_c = torch.ones(tc, tc, dtype=torch.bool, device=dev).tril()
-    c_attn = torch.cat([p_mask[owner][:, None, :].expand(-1, tc, -1), causal_c & c_mask[:, None, :]], -1)[
-        :, None
-    ]  # [n, 1, tc, Tp + tc]
-    with context:
-        xp, xc = body.embed_tokens(distinct), body.embed_tokens(c_ids)  # [U, Tp, H], [n, tc, H]
-        rope_p, rope_c = body.rotary_emb(xp, p_pos), body.rotary_emb(xc, c_pos)  # (cos, sin) [., ., hd] each
-        for layer in body.layers:
-            qp, kp, vp = _qkv(layer, xp, rope_p)  # [U, h, Tp, hd], [U, kvh, Tp, hd] x 2
-            qc, kc, vc = _qkv(layer, xc, rope_c)  # [n, h, tc, hd], [n, kvh, tc, hd] x 2
-            xp = _finish(layer, xp, _attend(layer, qp, kp, vp, p_attn))
-            xc = _finish(
-                layer, xc, _attend(layer, qc, torch.cat([kp[owner], kc], 2), torch.cat([vp[owner], vc], 2), c_attn)
-            )
-        xp, xc = body.norm(xp), body.norm(xc)
-    where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each
-    r, t = where
-    hidden = torch.where((t == 0)[:, None], xp[owner[r], -1], xc[r, (t - 1).clamp(min=0)])  # [K, H]
-    return hidden, where
-
-
-def _qkv(layer, x: torch.Tensor, rope: tuple) -> tuple:
-    """The layer's normed projections of x [B, T, H], rotated.  -> q [B, h, T, hd], k and v [B, kvh, T, hd]"""
-    a = layer.self_attn
-    B, T, _ = x.shape
-    h = layer.input_layernorm(x)
-    q, k = a.q_proj(h).view(B, T, -1, a.head_dim), a.k_proj(h).view(B, T, -1, a.head_dim)
-    if hasattr(a, "q_norm"):  # qwen3
-        q, k = a.q_norm(q), a.k_norm(k)
-    q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rope)
-    return q, k, a.v_proj(h).view(B, T, -1, a.head_dim).transpose(1, 2)
-
-
-def _attend(layer, q, k, v, mask) -> torch.Tensor:
-    """SDPA with the layer's scale and grouped keys.  -> [B, T, h * hd]"""
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=True)
-    return o.transpose(1, 2).flatten(2)
-
-
-def _finish(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The residual adds of the attention output and the MLP.  -> [B, T, H]"""
-    x = x + layer.self_attn.o_proj(attended)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 _UNSHARED: set = set()  # model classes already reported as running without a shared prefix

@@ -111,9 +111,14 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
     model = build(cfg, "model")
     policy, tokenizer = model.build(task.alphabet, init_seed)
-    if model.format_prompt(tokenizer, "1") != "1":  # e.g. a chat template: format every prompt once
-        task.train, task.eval = (
-            Dataset.from_list([{**r, "prompt": model.format_prompt(tokenizer, r["prompt"])} for r in split])
+    if model.format_prompt(tokenizer, "1") != "1":  # e.g. a chat template: format every prompt once, keeping
+        task.train, task.eval = (  # the task's own (its demonstrations read it)
+            Dataset.from_list(
+                [
+                    {**r, "prompt": model.format_prompt(tokenizer, r["prompt"]), "task_prompt": r["prompt"]}
+                    for r in split
+                ]
+            )
             for split in (task.train, task.eval)
         )
     splits = {"train": task.train, "eval": task.eval}

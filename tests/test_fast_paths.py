@@ -9,9 +9,10 @@ from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rlkit.batching import micro_batches
-from rlkit.engines.decoders import Lean, decoder
+from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import _sample, encode_prompts, generate
-from rlkit.logprobs import causal_parts, pack, positions, token_logprobs
+from rlkit.llama import Lean, causal_parts, positions
+from rlkit.logprobs import pack, token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
 from rlkit.tasks.arithmetic import ALPHABET
 from rlkit.types import Rollout

@@ -46,6 +46,9 @@ def test_a_saved_model_trains_through_its_chat_template(saved_model, tmp_path):
     assert state.parts.task.train[0]["prompt"].startswith("<user>") and state.parts.task.train[0]["prompt"].endswith(
         ">"
     )
+    assert state.parts.task.train[0]["prompt"] == f"<user>{state.parts.task.train[0]['task_prompt']}>"  # own kept
+    # the probe entropy's demonstrations read the task's own prompt under the template
+    assert state.progress.first_eval["eval/probe_entropy"] > 0
     assert run(pretrained(saved_model, "model.chat_template=false"), str(tmp_path / "plain"))["steps"] == 2
 
 

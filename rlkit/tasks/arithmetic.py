@@ -77,7 +77,9 @@ class Arithmetic(Task):
 
     @staticmethod
     def terms(row: dict) -> list[int]:
-        return [int(t) for t in row["prompt"].rstrip("=").split("+")]
+        """The numbers of the row's sum, from the task's own prompt (`task_prompt` when a chat
+        template has rewritten `prompt`)."""
+        return [int(t) for t in row.get("task_prompt", row["prompt"]).rstrip("=").split("+")]
 
     def demonstration(self, row: dict, rng: random.Random) -> str:
         """A correct completion for supervised warm start, worked or direct."""

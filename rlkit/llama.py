@@ -1,0 +1,236 @@
+"""The Llama-family fast path, the one module that reaches into transformers' model internals
+(llama, qwen2, qwen3, mistral without a sliding window): which models it applies to and their
+parts (`lean_supported`, `causal_parts`), the layer pieces run outside the model's own forward
+(normed projections with the model's rotary function, attention, residual adds), the training
+forward with each distinct prompt computed once (`shared_hidden`), and the decoder with
+pre-allocated KV buffers and fused projections (`Lean`). Every other model goes through its own
+forward (`rlkit.logprobs.trimmed_inputs`, `rlkit.engines.decoders.HFForward`)."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from rlkit.models import AdaptersOff
+from rlkit.parallel import is_sharded
+
+
+def rotary(attn):
+    """The rotary function of the attention module's own transformers model file."""
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+LEAN_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)  # [N, S]
+
+
+def completion_width(completion_mask: torch.Tensor) -> int:
+    """Columns up to the last completion token any row has (at least 1).  [n, Tc] -> int"""
+    used = completion_mask.any(0).nonzero()  # [k, 1]
+    return int(used.max()) + 1 if len(used) else 1
+
+
+def base_model(model):
+    """The causal LM under a peft wrapper (its LoRA layers stay in place)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def lean_supported(model) -> bool:
+    m = base_model(model)
+    cfg = m.config
+    if getattr(cfg, "model_type", None) not in LEAN_TYPES or not hasattr(m, "lm_head"):
+        return False
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        return False
+    return not (cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None))
+
+
+def causal_parts(model):
+    """(decoder stack, lm_head, context to run them in) of a Llama-family causal LM, under peft or
+    as rlkit's adapters-off reference (`rlkit.models.AdaptersOff`); None for any other model.
+    For these models logits are exactly lm_head(decoder(...)), so hidden states can be gathered
+    before the head."""
+    context = nullcontext()
+    if isinstance(model, AdaptersOff):
+        model, context = model.policy[0], model.policy[0].disable_adapter()
+    if not lean_supported(model) or is_sharded(model):  # a sharded model runs through its own forward
+        return None
+    m = base_model(model)
+    return m.model, m.lm_head, context
+
+
+def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """`packed_hidden` with each distinct prompt of the rows computed once: the decoder runs over
+    the U distinct prompts and, beside them, over the n completions, whose attention reads the keys
+    and values of their own prompt (copied per row, so its gradient gathers from every completion)
+    and of their own earlier tokens; position ids continue from the prompt. A group of G
+    completions costs prompt + G x completion tokens instead of G x (prompt + completion), and no
+    attention score between two completions of a group is computed. Same hidden states as the
+    unshared forward (to float rounding).  -> hidden [K, H] and `where` of the K completion tokens"""
+    distinct, owner = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, Tp], [n]
+    first = torch.zeros(len(distinct), dtype=torch.long, device=owner.device).scatter_(
+        0, owner, torch.arange(len(owner), device=owner.device)
+    )  # [U] a row with each prompt (any: they are equal)
+    p_mask = prompt_mask[first].bool()  # [U, Tp]
+    tc = completion_width(completion_mask)
+    c_ids, c_mask = completion_ids[:, :tc], completion_mask[:, :tc].bool()  # [n, tc]
+    Tp, dev = distinct.shape[1], distinct.device
+    p_pos = positions(p_mask.long())  # [U, Tp]
+    c_pos = p_mask.sum(-1)[owner][:, None] + torch.arange(tc, device=dev)  # [n, tc]
+    causal_p = torch.ones(Tp, Tp, dtype=torch.bool, device=dev).tril()
+    p_attn = ((causal_p & p_mask[:, None, :]) | torch.eye(Tp, dtype=torch.bool, device=dev))[:, None]  # [U, 1, Tp, Tp]
+    causal_c = torch.ones(tc, tc, dtype=torch.bool, device=dev).tril()
+    c_attn = torch.cat([p_mask[owner][:, None, :].expand(-1, tc, -1), causal_c & c_mask[:, None, :]], -1)[
+        :, None
+    ]  # [n, 1, tc, Tp + tc]
+    with context:
+        xp, xc = body.embed_tokens(distinct), body.embed_tokens(c_ids)  # [U, Tp, H], [n, tc, H]
+        rope_p, rope_c = body.rotary_emb(xp, p_pos), body.rotary_emb(xc, c_pos)  # (cos, sin) [., ., hd] each
+        for layer in body.layers:
+            qp, kp, vp = _qkv(layer, xp, rope_p)  # [U, h, Tp, hd], [U, kvh, Tp, hd] x 2
+            qc, kc, vc = _qkv(layer, xc, rope_c)  # [n, h, tc, hd], [n, kvh, tc, hd] x 2
+            xp = _finish(layer, xp, _attend(layer, qp, kp, vp, p_attn))
+            xc = _finish(
+                layer, xc, _attend(layer, qc, torch.cat([kp[owner], kc], 2), torch.cat([vp[owner], vc], 2), c_attn)
+            )
+        xp, xc = body.norm(xp), body.norm(xc)
+    where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each
+    r, t = where
+    hidden = torch.where((t == 0)[:, None], xp[owner[r], -1], xc[r, (t - 1).clamp(min=0)])  # [K, H]
+    return hidden, where
+
+
+def _qkv(layer, x: torch.Tensor, rope: tuple) -> tuple:
+    """The layer's normed projections of x [B, T, H], rotated.  -> q [B, h, T, hd], k and v [B, kvh, T, hd]"""
+    a = layer.self_attn
+    B, T, _ = x.shape
+    h = layer.input_layernorm(x)
+    q, k = a.q_proj(h).view(B, T, -1, a.head_dim), a.k_proj(h).view(B, T, -1, a.head_dim)
+    if hasattr(a, "q_norm"):  # qwen3
+        q, k = a.q_norm(q), a.k_norm(k)
+    q, k = rotary(a)(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    return q, k, a.v_proj(h).view(B, T, -1, a.head_dim).transpose(1, 2)
+
+
+def _attend(layer, q, k, v, mask) -> torch.Tensor:
+    """SDPA with the layer's scale and grouped keys.  -> [B, T, h * hd]"""
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=True)
+    return o.transpose(1, 2).flatten(2)
+
+
+def _finish(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The residual adds of the attention output and the MLP.  -> [B, T, H]"""
+    x = x + layer.self_attn.o_proj(attended)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def norm(module, x: torch.Tensor) -> torch.Tensor:
+    """An fp32 RMSNorm module as one fused op (same formula); any other norm, or a lower precision
+    (where the module upcasts), through its own forward."""
+    eps = getattr(module, "variance_epsilon", None)
+    names = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+    if eps is None or type(module).__name__ not in names or x.dtype != torch.float32:
+        return module(x)
+    return F.rms_norm(x, module.weight.shape, module.weight, eps)
+
+
+def fused(*linears):
+    """One projection computing several plain `nn.Linear`s side by side (outputs concatenated),
+    with the weight copied input-major, which small-batch matmuls on a CPU run faster on. On a GPU
+    (where a copy of a large model's weights would not fit and cuBLAS needs none) and for anything
+    else (a LoRA layer) each module runs itself."""
+    if all(type(m) is torch.nn.Linear for m in linears) and linears[0].weight.device.type == "cpu":
+        weight = torch.cat([m.weight for m in linears]).t().contiguous()  # [in, sum out]
+        if linears[0].bias is None:
+            return lambda x: x @ weight
+        bias = torch.cat([m.bias for m in linears])  # [sum out]
+        return lambda x: torch.addmm(bias, x.flatten(0, -2), weight).view(*x.shape[:-1], -1)
+    return lambda x: torch.cat([m(x) for m in linears], -1)
+
+
+class Lean:
+    """Llama-family decoding with pre-allocated KV buffers [n, kv_heads, Tmax, head_dim] per layer."""
+
+    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens: int):
+        m = base_model(model)
+        self.lm_head, self.body = m.lm_head, m.model
+        cfg = m.config
+        self.layers = list(self.body.layers)
+        self.qkv = [fused(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
+        self.gate_up = [fused(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
+        self.out = [fused(l.self_attn.o_proj) for l in self.layers]
+        self.down = [fused(l.mlp.down_proj) for l in self.layers]
+        attn = self.layers[0].self_attn
+        self.hd = attn.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.rope = rotary(attn)
+        N, Tp = prompt_ids.shape
+        Tmax = Tp + max_new_tokens
+        dev, dt = prompt_ids.device, self.body.embed_tokens.weight.dtype
+        self.ids = prompt_ids
+        pos = torch.arange(Tmax, device=dev)[None]  # [1, Tmax]
+        self.cos, self.sin = self.body.rotary_emb(torch.zeros(1, device=dev, dtype=dt), pos)  # [1, Tmax, hd] each
+        self.k = [torch.empty(N, self.kv_heads, Tmax, self.hd, device=dev, dtype=dt) for _ in self.layers]
+        self.v = [torch.empty_like(k) for k in self.k]
+        self.mask = torch.ones(N, Tmax, dtype=torch.bool, device=dev)  # [N, Tmax] key positions a row attends
+        self.mask[:, :Tp] = prompt_mask.bool()
+        self.pos = positions(prompt_mask)  # [N, Tp]
+        self.len = Tp
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """ids, pos [n, s] at cache columns len-s..len-1; attn_mask [n, 1, s, len]. -> last position's hidden [n, H]"""
+        n, s = ids.shape
+        x = self.body.embed_tokens(ids)  # [n, s, H]
+        cos, sin = self.cos[0, pos], self.sin[0, pos]  # [n, s, hd]
+        lo, q_end, k_end = self.len - s, self.heads * self.hd, (self.heads + self.kv_heads) * self.hd
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = self.qkv[i](norm(layer.input_layernorm, x))  # [n, s, (h + 2 kvh) hd]
+            q = h[..., :q_end].view(n, s, self.heads, self.hd)  # [n, s, h, hd]
+            k = h[..., q_end:k_end].view(n, s, self.kv_heads, self.hd)  # [n, s, kvh, hd]
+            if hasattr(a, "q_norm"):  # qwen3
+                q, k = norm(a.q_norm, q), norm(a.k_norm, k)
+            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [n, h, s, hd], [n, kvh, s, hd]
+            self.k[i][:, :, lo : self.len] = k
+            self.v[i][:, :, lo : self.len] = h[..., k_end:].view(n, s, self.kv_heads, self.hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q,
+                self.k[i][:, :, : self.len],
+                self.v[i][:, :, : self.len],
+                attn_mask=attn_mask,
+                scale=a.scaling,
+                enable_gqa=True,
+            )  # [n, h, s, hd]
+            x = x + self.out[i](o.transpose(1, 2).reshape(n, s, -1))  # [n, s, H]
+            g, u = self.gate_up[i](norm(layer.post_attention_layernorm, x)).chunk(2, -1)  # [n, s, I] each
+            x = x + self.down[i](layer.mlp.act_fn(g) * u)
+        return norm(self.body.norm, x[:, -1])  # [n, H]
+
+    def prefill(self) -> torch.Tensor:
+        Tp = self.len
+        causal = torch.ones(Tp, Tp, dtype=torch.bool, device=self.ids.device).tril()  # [Tp, Tp]
+        eye = torch.eye(Tp, dtype=torch.bool, device=self.ids.device)  # a padding query sees itself (no empty rows)
+        attn = (causal & self.mask[:, None, :Tp]) | eye  # [N, Tp, Tp]
+        h = self._forward(self.ids, self.pos, attn[:, None])  # [N, H]
+        self.pos = self.pos[:, -1]  # [N]
+        return self.lm_head(h).float()  # [N, V]
+
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
+        self.len, self.pos = self.len + 1, self.pos + 1
+        h = self._forward(tok[:, None], self.pos[:, None], self.mask[:, None, None, : self.len])  # [n, H]
+        return self.lm_head(h).float()  # [n, V]
+
+    def keep(self, idx: torch.Tensor) -> None:
+        L = self.len
+        for buf in (self.k, self.v):
+            for i, b in enumerate(buf):
+                new = torch.empty((len(idx), *b.shape[1:]), dtype=b.dtype, device=b.device)  # [n', kvh, Tmax, hd]
+                new[:, :, :L] = b[idx, :, :L]
+                buf[i] = new
+        self.mask, self.pos = self.mask[idx], self.pos[idx]
