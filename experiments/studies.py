@@ -28,7 +28,16 @@ def verdicts(name: str) -> dict | None:
         return None
     spec = load_spec(folder / "study.yaml")
     r = analyse(spec, read_records(folder / "results"), read_plan(folder / "results" / "plan.json"))
-    return {arm: (r["verdicts"][arm][0], short(r["diffs"][arm].describe()), r) for arm in r["treatments"]}
+    claimed_equal = spec.primary.direction == "equal"
+    return {
+        arm: (word(r["verdicts"][arm][0], claimed_equal), short(r["diffs"][arm].describe()), r)
+        for arm in r["treatments"]
+    }
+
+
+def word(verdict: str, claimed_equal: bool) -> str:
+    """The verdict, saying what `equivalent` means for a claimed direction."""
+    return verdict if claimed_equal or verdict != "equivalent" else "equivalent (no effect either way: not reproduced)"
 
 
 def short(described: str) -> str:
@@ -51,11 +60,11 @@ def row(name: str) -> str:
         return f"| {link} | {claim} | open | | {status(name)} |"
     again = verdicts(f"{name}_ws1") if (HERE / f"{name}_ws1").exists() else None
     words, numbers, replication = [], [], []
-    for arm, (word, diff, r) in mine.items():
-        words.append(f"{arm}: {word}" if len(mine) > 1 else word)
+    for arm, (verdict, diff, r) in mine.items():
+        words.append(f"{arm}: {verdict}" if len(mine) > 1 else verdict)
         numbers.append(f"{arm} - {spec.baseline}: {diff}")
         if again is not None:
-            same = again[arm][0] == word
+            same = again[arm][0] == verdict
             replication.append(f"{'replicated' if same else 'not replicated'} ({again[arm][0]}; {again[arm][1]})")
     learned = {True: "; baseline learned", False: "; baseline did not learn", None: ""}[r["learned"]]
     return (
