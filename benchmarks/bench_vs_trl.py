@@ -44,10 +44,11 @@ from hydra import compose, initialize_config_module
 
 from rlkit import parallel
 from rlkit.config import build
-from rlkit.guards import StopSignals, checked_advantages
+from rlkit.guards import checked_advantages
 from rlkit.logprobs import rollout_logprobs
 from rlkit.loop import collect, learn
 from rlkit.setup import setup
+from rlkit.signals import StopSignals
 from rlkit.types import Rollout
 
 MODELS: list = []  # every side's models, whose parameters `peak_memory` does not count as activations

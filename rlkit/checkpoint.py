@@ -25,7 +25,7 @@ from rlkit import parallel
 from rlkit.components import ConfigError
 from rlkit.config import resolved
 from rlkit.files import sha256, staged
-from rlkit.guards import NonFiniteError, all_finite, check_resume
+from rlkit.guards import NonFiniteError, all_finite
 from rlkit.state import Progress, Run
 
 STATE, MANIFEST = "trainer_state.pt", "manifest.json"
@@ -136,6 +136,43 @@ def load_state(path: Path) -> dict:
             "refusing to load it, since loading it could run code. Do not load it by other means "
             "unless you wrote it yourself"
         ) from None
+
+
+# ---- which checkpoint resumes which run -----------------------------------------------------------------------
+
+RESUME_KEYS = (
+    "seed",
+    "advantage",
+    "aggregator",
+    "sampler",
+    "task",
+    "model",
+    "rollout",
+    "loss",
+    "reward",
+    "optim",
+    "warm_start",
+    "parallel",
+)  # a sharded optimizer state is keyed by parameter name, not by position
+
+
+def _training_key(cfg: dict, key: str):
+    value = cfg.get(key)
+    if key in ("warm_start", "reward") and value:  # the cache may move; a time limit does not shape training
+        value = {k: v for k, v in value.items() if k not in ("cache_dir", "timeout_s")}
+    return value
+
+
+def check_resume(saved: dict | None, now: dict, path) -> None:
+    """A checkpoint resumes only the run that wrote it: the keys that shape training must match."""
+    if saved is None:
+        return
+    diff = [k for k in RESUME_KEYS if _training_key(saved, k) != _training_key(now, k)]
+    if diff:
+        raise ConfigError(
+            f"the checkpoint {path} was written with different {', '.join(diff)}; "
+            "use a new hydra.run.dir or checkpoint.resume=false to start over"
+        )
 
 
 # ---- a run's checkpoints: save every process's part, resume, or set an earlier run aside ----------------------

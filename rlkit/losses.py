@@ -66,6 +66,43 @@ def _check_eps(eps_low: float, eps_high: float, low_max: float = 1.0) -> None:
         raise ValueError(f"loss.eps_high must be >= 0, got {eps_high}")
 
 
+class EntropyCoefficient:
+    """The entropy bonus's coefficient, fixed at `coef`, or adaptive when `target` is set
+    (Skywork-OR1, arXiv 2505.22312; TRL `use_adaptive_entropy`): after each optimizer step it rises
+    by `delta` when that step's mean entropy was <= target and falls otherwise, within [lo, hi]; it
+    applies only while the last mean entropy was <= target. A checkpoint keeps its state."""
+
+    def __init__(
+        self, coef: float, target: float | None = None, delta: float = 0.005, lo: float = 0.0, hi: float = 1.0
+    ):
+        if not 0 <= lo <= hi or delta < 0:
+            raise ValueError(
+                "loss.entropy_coef_min <= loss.entropy_coef_max and loss.entropy_coef_delta >= 0 "
+                f"needed, got {lo}, {hi}, {delta}"
+            )
+        self.coef, self.target, self.delta, self.range, self.last = coef, target, delta, (lo, hi), float("inf")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.target is not None
+
+    def value(self) -> float:
+        """The coefficient the next step applies."""
+        return 0.0 if self.adaptive and self.last > self.target else self.coef
+
+    def update(self, entropy: float) -> None:
+        """After a step with mean entropy `entropy` (every process's tokens)."""
+        step = self.delta if entropy <= self.target else -self.delta
+        self.coef, self.last = min(max(self.coef + step, self.range[0]), self.range[1]), entropy
+
+    def state_dict(self) -> dict:
+        return {"entropy_coef": self.coef, "last_entropy": self.last}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:  # a checkpoint from before the loss kept state has none
+            self.coef, self.last = state["entropy_coef"], state["last_entropy"]
+
+
 class Regularised(PolicyLoss):
     """What every loss can add to its surrogate: `beta` times a KL estimate to the reference, in
     the loss (GRPO) or subtracted from the per-token reward (PPO, RLOO); an entropy bonus; and
@@ -106,18 +143,14 @@ class Regularised(PolicyLoss):
             raise ValueError(f"loss.kl_placement must be 'loss' or 'reward', got {kl_placement!r}")
         if not 0 < top_entropy_quantile <= 1:
             raise ValueError(f"loss.top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
-        if not 0 <= entropy_coef_min <= entropy_coef_max or entropy_coef_delta < 0:
-            raise ValueError(
-                "loss.entropy_coef_min <= loss.entropy_coef_max and loss.entropy_coef_delta >= 0 needed, "
-                f"got {entropy_coef_min}, {entropy_coef_max}, {entropy_coef_delta}"
-            )
-        self.beta, self.kl_estimator, self.entropy_coef = beta, kl_estimator, entropy_coef
+        self.beta, self.kl_estimator = beta, kl_estimator
+        self.entropy_control = EntropyCoefficient(
+            entropy_coef, entropy_target, entropy_coef_delta, entropy_coef_min, entropy_coef_max
+        )
         self.kl_in_reward = beta > 0 and kl_placement == "reward"
         self.entropy_grad = entropy_coef != 0 or entropy_target is not None
         self.drop_truncated, self.kl_is_weighted = drop_truncated, kl_is_weighted
         self.top_entropy_quantile, self.selects_tokens = top_entropy_quantile, top_entropy_quantile < 1
-        self.entropy_target, self.entropy_coef_delta = entropy_target, entropy_coef_delta
-        self.entropy_coef_range, self.last_entropy = (entropy_coef_min, entropy_coef_max), float("inf")
 
     def surrogate(self, logp, old_logp, adv, mask) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
@@ -145,27 +178,25 @@ class Regularised(PolicyLoss):
             loss = loss - coef * (entropy if select is None else entropy * select)
         return loss, stats  # [n, Tc]
 
+    @property
+    def entropy_coef(self) -> float:
+        return self.entropy_control.coef
+
     def current_entropy_coef(self) -> float:
-        adaptive = self.entropy_target is not None
-        return 0.0 if adaptive and self.last_entropy > self.entropy_target else self.entropy_coef
+        return self.entropy_control.value()
 
     def end_step(self, entropy_sums: torch.Tensor) -> None:
         """After an optimizer step whose selected tokens had entropy sum and count `entropy_sums` [2]
-        on this process: the adaptive coefficient's update (nothing when `entropy_target` is null)."""
-        if self.entropy_target is None:
-            return
-        total, count = parallel.total(entropy_sums).tolist()
-        entropy = total / max(count, 1.0)
-        delta = self.entropy_coef_delta if entropy <= self.entropy_target else -self.entropy_coef_delta
-        self.entropy_coef = min(max(self.entropy_coef + delta, self.entropy_coef_range[0]), self.entropy_coef_range[1])
-        self.last_entropy = entropy
+        on this process: the adaptive coefficient's update, on every process's tokens."""
+        if self.entropy_control.adaptive:
+            total, count = parallel.total(entropy_sums).tolist()
+            self.entropy_control.update(total / max(count, 1.0))
 
     def state_dict(self) -> dict:
-        return {"entropy_coef": self.entropy_coef, "last_entropy": self.last_entropy}
+        return self.entropy_control.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if state:  # a checkpoint from before the loss kept state has none
-            self.entropy_coef, self.last_entropy = state["entropy_coef"], state["last_entropy"]
+        self.entropy_control.load_state_dict(state)
 
     def token_selection(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """The top-entropy tokens of the rollout (None when every token counts).  [N, Tc] -> [N, Tc]"""

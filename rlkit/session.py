@@ -14,10 +14,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from rlkit import checkpoint, files, parallel
-from rlkit.guards import NonFiniteError, Preempted, RunDirLock, StopSignals, check_writable
+from rlkit.guards import NonFiniteError
 from rlkit.hardware import check_portable
+from rlkit.locks import RunDirLock, check_writable
 from rlkit.loop import step
 from rlkit.setup import setup, validate
+from rlkit.signals import Preempted, StopSignals
 from rlkit.state import Run
 
 

@@ -30,8 +30,10 @@ from rlkit.components import (
 )
 from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import evaluate
-from rlkit.guards import NonFiniteGuard, check_context, check_encodable, check_rollout_memory, check_writable
+from rlkit.guards import NonFiniteGuard
 from rlkit.hardware import hardware
+from rlkit.locks import check_writable
+from rlkit.preflight import check_context, check_encodable, check_rollout_memory
 from rlkit.sinks import NullLogger
 from rlkit.state import Parts, Progress, Run, Runtime
 from rlkit.warm_start import applies as warm_start_applies

@@ -22,9 +22,11 @@ from rlkit import files, parallel
 from rlkit.checkpoint import HYDRA_FILES
 from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE
-from rlkit.guards import NonFiniteError, Preempted, StoppedAtOnce, check_writable
+from rlkit.guards import NonFiniteError
 from rlkit.hardware import PORTABLE_ENV
+from rlkit.locks import check_writable
 from rlkit.session import run
+from rlkit.signals import Preempted, StoppedAtOnce
 from rlkit.tasks.base import TaskError
 
 PEER_GRACE_S = 5.0

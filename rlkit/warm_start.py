@@ -19,9 +19,10 @@ from tqdm import tqdm
 from rlkit import checkpoint
 from rlkit.engines.kv_cache import encode_prompts
 from rlkit.files import staged
-from rlkit.guards import Preempted, file_lock
 from rlkit.hardware import kernels
+from rlkit.locks import file_lock
 from rlkit.logprobs import token_logprobs
+from rlkit.signals import Preempted
 
 
 def applies(cfg, task) -> bool:

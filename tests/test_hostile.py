@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from conftest import make_cfg
 from rlkit import checkpoint
+from rlkit.checkpoint import check_resume
 from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_STORAGE
-from rlkit.guards import check_resume
 from rlkit.sinks import _truncate
 from rlkit.tasks.base import TaskError
 from rlkit.train import run

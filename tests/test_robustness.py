@@ -15,7 +15,7 @@ from helpers import SIGN_ONLY, write_plugin
 from rlkit.analysis.compare import main as compare_main
 from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from rlkit.guards import RunDirLock
+from rlkit.locks import RunDirLock
 from rlkit.train import run
 from test_reliability import GOOD, command, file_task, metrics, wait_for, write_jsonl
 

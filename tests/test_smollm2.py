@@ -14,8 +14,8 @@ from conftest import make_cfg
 from rlkit.batching import batched, micro_batches
 from rlkit.config import build
 from rlkit.engines.kv_cache import generate
-from rlkit.guards import check_encodable
 from rlkit.logprobs import rollout_logprobs, token_logprobs
+from rlkit.preflight import check_encodable
 from rlkit.train import run
 from rlkit.types import Rollout
 from test_reliability import metrics  # without the timing keys
