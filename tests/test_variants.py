@@ -48,12 +48,45 @@ CASES = (
 )
 
 
-@pytest.mark.parametrize("overrides", CASES)
-def test_runs_two_steps(overrides, cache, tmp_path):
-    summary = run(make_cfg([*overrides.split(), "eval.every=0", "checkpoint.every=0"], cache_dir=cache), str(tmp_path))
-    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+DEFAULTS = {
+    "algo=grpo",
+    "advantage=grpo",
+    "aggregator=seq_mean_token_mean",
+    "sampler=uniform",
+    "loss=ppo_clip",
+    f"correction=none {OFF_POLICY}",
+}  # what the default config (or the corrections' baseline) already is
+
+
+def two_steps(overrides: str, cache: str, run_dir: Path) -> list[dict]:
+    summary = run(make_cfg([*overrides.split(), "eval.every=0", "checkpoint.every=0"], cache_dir=cache), str(run_dir))
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2] and summary["steps"] == 2
     assert all("train/loss" in l or "train/skipped_empty_batch" in l for l in lines[1:])
+    return lines
+
+
+def update_numbers(lines: list[dict]) -> list:
+    """What each step's update was: its loss and gradient norm (a skipped step: None)."""
+    return [(l.get("train/loss"), l.get("train/grad_norm")) for l in lines[1:]]
+
+
+@pytest.fixture(scope="module")
+def baselines(cache, tmp_path_factory):
+    """The update numbers of the default config and of the corrections' off-policy engine without one."""
+    return {
+        "": update_numbers(two_steps("", cache, tmp_path_factory.mktemp("default"))),
+        OFF_POLICY: update_numbers(two_steps(f"correction=none {OFF_POLICY}", cache, tmp_path_factory.mktemp("none"))),
+    }
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_each_option_runs_two_steps_and_acts(overrides, cache, baselines, tmp_path):
+    """Same seed, same warm start: an option that is already the default gives the baseline's very
+    numbers, and every other option changes the update (so one that silently does nothing fails)."""
+    mine = update_numbers(two_steps(overrides, cache, tmp_path))
+    base = baselines[OFF_POLICY if OFF_POLICY in overrides else ""]
+    assert (mine == base) == (overrides in DEFAULTS), (overrides, mine, base)
 
 
 def test_presets_set_their_papers_values():
