@@ -50,7 +50,7 @@ class RemoteLikeEngine:
     without subclassing the Protocol, as a plugin may be."""
 
     exact_logprobs = False
-    lag = None  # samples with the weights it was last sent (Engine declares it; a plugin that does not subclass says it)
+    lag = None  # Engine declares it; a plugin that does not subclass the Protocol declares it too
     syncs = generations = 0
 
     def __init__(self, policy, tokenizer):
