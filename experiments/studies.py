@@ -51,6 +51,14 @@ def status(name: str) -> str:
     return found.group(1) if found else "not run"
 
 
+def replicated(verdict: str, again: str, diff: str, r: dict) -> str:
+    """The replication's outcome against the original verdict."""
+    if again == "not tested":
+        why = "its baseline did not learn" if r["learned"] is False else "its engagement check failed"
+        return f"not tested: {why} ({diff})"
+    return f"{'replicated' if again == verdict else 'not replicated'} ({again}; {diff})"
+
+
 def row(name: str) -> str:
     spec = load_spec(HERE / name / "study.yaml")
     claim = " ".join(spec.claim.split())
@@ -64,8 +72,7 @@ def row(name: str) -> str:
         words.append(f"{arm}: {verdict}" if len(mine) > 1 else verdict)
         numbers.append(f"{arm} - {spec.baseline}: {diff}")
         if again is not None:
-            same = again[arm][0] == verdict
-            replication.append(f"{'replicated' if same else 'not replicated'} ({again[arm][0]}; {again[arm][1]})")
+            replication.append(replicated(verdict, *again[arm]))
     learned = {True: "; baseline learned", False: "; baseline did not learn", None: ""}[r["learned"]]
     return (
         f"| {link} | {claim} | {'; '.join(words)} | {'; '.join(replication) or 'not run'} | "

@@ -58,6 +58,7 @@ def test_a_component_missing_a_declared_attribute_is_named():
         validate(make_cfg(["++advantage._target_=helpers.OldStylePlugin"]))
 
 
+@pytest.mark.slow
 def test_plugin_loss_by_hydra_searchpath(tmp_path):
     """A new loss is a class plus a YAML: vanilla policy gradient, -ratio * A, with its own statistic."""
     pkg, conf = write_plugin(

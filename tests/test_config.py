@@ -56,6 +56,7 @@ def test_bad_values_are_named(override, message, tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_cli_reports_bad_input_without_a_traceback(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "rlkit.train", "rollout.group_size=1", f"hydra.run.dir={tmp_path}"],

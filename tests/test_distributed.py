@@ -24,6 +24,9 @@ from rlkit.setup import setup, validate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "plugins"))  # the example plugin
 
 
+pytestmark = pytest.mark.slow  # real-model and multi-process runs: `pytest -m "not slow"` leaves them out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

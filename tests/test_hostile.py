@@ -214,6 +214,7 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)])
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_exits_74_and_leaves_no_partial_files(tmp_path, tiny_disk):
     cache = tmp_path / "c"
     out = cli(tiny_disk / "run", cache, "steps=2")
@@ -223,6 +224,7 @@ def test_a_full_disk_during_a_checkpoint_exits_74_and_leaves_no_partial_files(tm
     assert not [p for p in (tiny_disk / "run" / "checkpoints").iterdir()]  # no .tmp_ left behind
 
 
+@pytest.mark.slow
 def test_a_full_cache_disk_exits_74_and_leaves_no_partial_entry(tmp_path, tiny_disk):
     out = cli(tmp_path / "run", tiny_disk / "cache", "++model.hidden_size=256", "++model.intermediate_size=512")
     assert out.returncode == EXIT_STORAGE, out.stderr[-3000:]
@@ -230,6 +232,7 @@ def test_a_full_cache_disk_exits_74_and_leaves_no_partial_entry(tmp_path, tiny_d
     assert [p.name for p in (tiny_disk / "cache").iterdir() if not p.name.endswith(".lock")] == []
 
 
+@pytest.mark.slow
 def test_a_read_only_run_directory_exits_2_naming_the_key(tmp_path, tiny_disk):
     (tiny_disk / "runs").mkdir()
     subprocess.run(["mount", "-o", "remount,ro", str(tiny_disk)], check=True)
@@ -286,6 +289,7 @@ def test_a_hanging_reward_function_is_stopped_by_its_time_limit(tmp_path, blocke
     assert time.time() - t0 < 60
 
 
+@pytest.mark.slow
 def test_a_second_signal_stops_a_hung_scorer_at_once(tmp_path, warm_cache):
     proc = subprocess.Popen(
         command(
@@ -321,6 +325,7 @@ def test_a_second_signal_stops_a_hung_scorer_at_once(tmp_path, warm_cache):
     assert "stopped at once by a second signal (SIGINT after SIGINT)" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_refused_run_leaves_the_run_directorys_hydra_files_as_they_were(tmp_path, warm_cache):
     first = cli(tmp_path / "run", warm_cache, "steps=1")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -331,6 +336,7 @@ def test_a_refused_run_leaves_the_run_directorys_hydra_files_as_they_were(tmp_pa
     assert {p.name: p.read_text() for p in (tmp_path / "run" / ".hydra").iterdir()} == before
 
 
+@pytest.mark.slow
 def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
     (tmp_path / "mine" / "empty").mkdir(parents=True)
     out = subprocess.run(
@@ -422,6 +428,7 @@ def test_the_ranks_of_one_launch_resolve_the_same_default_run_directory(monkeypa
     assert launch_time() is None  # a single process: the run directory's own time
 
 
+@pytest.mark.slow
 def test_portable_mode_pins_avx2_and_changes_nothing_where_avx2_already_runs(tmp_path):
     cache = tmp_path / "c"
     from rlkit.hardware import PORTABLE_ENV
@@ -465,6 +472,7 @@ FUZZ_SEEN = []
         max_size=4,
     ),
 )
+@pytest.mark.slow
 @example("model", "int", "missing", [""]).via("every model-path kind at least once")
 @example("model", "int", "file", [""]).via("every model-path kind at least once")
 @example("model", "int", "empty_dir", [""]).via("every model-path kind at least once")

@@ -72,6 +72,7 @@ def refusal(choice: str, key: str, value: str) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True)  # the same examples every run
 @given(pick=KEYS, value=st.sampled_from(["nan", "inf", "-inf"]))
 def test_every_number_of_every_group_must_be_finite(pick, value):
@@ -80,6 +81,7 @@ def test_every_number_of_every_group_must_be_finite(pick, value):
     assert message is not None and key in message, (pick, value, message)
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(pick=KEYS, value=st.sampled_from(["-1", "0", "-1e30", "1e30", "-0.5", "4294967296"]))
 def test_out_of_range_numbers_are_accepted_or_refused_naming_their_key(pick, value):
@@ -144,6 +146,7 @@ def test_csv_files_empty_with_a_bom_or_with_bad_difficulties_are_named(tmp_path)
         FileTask(words, words, format="csv")
 
 
+@pytest.mark.slow
 def test_a_non_numeric_difficulty_exits_2_and_leaves_no_run_directory(tmp_path):
     data = write_csv(tmp_path / "d.csv", "prompt,answer,difficulty\n1+1=,2,easy\n")
     out = cli(
@@ -174,6 +177,7 @@ def small_disk(tmp_path, request):
     subprocess.run(["umount", "-l", str(disk)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("small_disk", ["3m", "12m"], indirect=True)
 def test_a_full_disk_in_any_writer_exits_74_with_one_line(tmp_path, small_disk):
     """The default model's checkpoint: safetensors reports the full disk with its own error type."""
@@ -192,6 +196,7 @@ def test_a_full_disk_in_any_writer_exits_74_with_one_line(tmp_path, small_disk):
     assert not [p for p in (small_disk / "run" / "checkpoints").iterdir() if p.name.startswith(".tmp_")]
 
 
+@pytest.mark.slow
 def test_starting_over_moves_the_earlier_runs_hydra_record_with_it(tmp_path, warm_cache):
     run_dir = tmp_path / "run"
     first = subprocess.run(
@@ -212,6 +217,7 @@ def test_starting_over_moves_the_earlier_runs_hydra_record_with_it(tmp_path, war
     assert "seed=4" in (run_dir / ".hydra" / "overrides.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_refusal_under_rlkit_launch_ends_with_the_refusal_not_a_traceback(tmp_path):
     out = subprocess.run(
         [

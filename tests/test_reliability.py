@@ -50,6 +50,7 @@ def wait_for(cond, proc, timeout=180):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache):
     args = ["steps=14", "checkpoint.every=2", "eval.every=3"]
     ref = subprocess.run(command(tmp_path / "ref", warm_cache, *args), capture_output=True, text=True, timeout=300)
@@ -66,6 +67,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache
     assert metrics(tmp_path / "run") == metrics(tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_loadable_checkpoint_and_exits_distinctly(tmp_path, warm_cache):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -256,6 +258,7 @@ CLEAN = (ConfigError, TaskError, ConfigCompositionException, HydraException, Ome
 FUZZ_COUNTS = {"ran": 0, "clean_error": 0}
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.dictionaries(st.sampled_from(sorted(FUZZ)), st.integers(0, 10), min_size=1, max_size=4))
 def test_fuzzed_overrides_run_or_fail_with_a_clear_error(tmp_path_factory, warm_cache, picks):

@@ -28,6 +28,7 @@ def test_same_seed_gives_the_same_metrics_whatever_filled_the_cache(tmp_path):
     assert metrics(tmp_path / "first")[0] == metrics(tmp_path / "after")[0]  # both seeds start from one policy
 
 
+@pytest.mark.slow
 def test_a_parallel_sweep_on_an_empty_cache_warm_starts_once_and_every_job_uses_it(tmp_path):
     out = subprocess.run(
         [
@@ -194,12 +195,14 @@ def cli(args, cwd, timeout=300, exe=(sys.executable, "-m", "rlkit.train")):
         ("advantage=nope", "Could not find 'advantage/nope'"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_exits_2_with_a_message_and_leaves_no_output_folder(tmp_path, override, message):
     out = cli([override, "steps=1", "warm_start.steps=0"], tmp_path)
     assert out.returncode == EXIT_BAD_INPUT and message in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_the_readme_plugin_example_runs_from_the_console_script(tmp_path):
     """`rlkit-train advantage=sign hydra.searchpath=[file://my_conf]` from the folder holding my_estimators/."""
     exe = shutil.which("rlkit-train")
@@ -239,6 +242,7 @@ def test_characters_the_tokenizer_cannot_encode_are_named(tmp_path):
         run(make_cfg(files + ["model=pretrained", f"model.path={tmp_path / 'hf'}"]), str(tmp_path / "run"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, phase", [(signal.SIGTERM, "warm start"), (signal.SIGINT, "eval")])
 def test_a_signal_during_set_up_exits_75_with_a_message(tmp_path, sig, phase):
     cache = tmp_path / "cache"

@@ -20,6 +20,9 @@ from rlkit.train import run
 from rlkit.types import Rollout
 from test_reliability import metrics  # without the timing keys
 
+pytestmark = pytest.mark.slow  # real-model and multi-process runs: `pytest -m "not slow"` leaves them out
+
+
 QUESTIONS = ["What is 7 + 7?", "Name a colour.", "What is the capital of France? Answer in one word, please."]
 
 

@@ -105,6 +105,7 @@ def test_pilot_spread_is_inflated_and_equivalence_seeds_reach_their_power():
     assert np.mean(short) < np.mean(hits)
 
 
+@pytest.mark.slow
 def test_iqm_and_probability_of_improvement_by_hand():
     a, b = [float(v) for v in range(12)], [float(v) + 20 for v in range(12)]
     assert robust(a[:9], b[:9]) is None  # under 10 runs per arm: the t-test lines only

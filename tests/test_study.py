@@ -176,6 +176,7 @@ seeds: {{pilot: 2, cap: 2}}
 """
 
 
+@pytest.mark.slow
 def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_path, warm_cache, capsys):
     folder = tmp_path / "experiments" / "tiny"
     folder.mkdir(parents=True)
@@ -315,6 +316,7 @@ def test_the_study_testbed_probe_table_is_the_one_its_readme_shows():
     assert probes.table() in (folder / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_readme_studies_table_is_the_one_its_script_prints():
     """README.md's studies table comes from the studies' own files, by one command."""
     import importlib.util

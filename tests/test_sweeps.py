@@ -18,6 +18,7 @@ from rlkit.train import run
 from wandb_files import read_records
 
 
+@pytest.mark.slow
 def test_multirun_over_two_variants_writes_two_run_directories(tmp_path, warm_cache):
     out = subprocess.run(
         [
