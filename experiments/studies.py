@@ -56,7 +56,7 @@ def replicated(verdict: str, again: str, diff: str, r: dict) -> str:
     if again == "not tested":
         why = "its baseline did not learn" if r["learned"] is False else "its engagement check failed"
         return f"not tested: {why} ({diff})"
-    return f"{'replicated' if again == verdict else 'not replicated'} ({again}; {diff})"
+    return f"replicated ({diff})" if again == verdict else f"not replicated: {again} ({diff})"
 
 
 def row(name: str) -> str:
