@@ -27,7 +27,7 @@ def verdicts(name: str) -> dict | None:
     if not (folder / "results" / "plan.json").exists():
         return None
     spec = load_spec(folder / "study.yaml")
-    r = analyse(spec, read_records(folder / "results"), read_plan(folder / "results" / "plan.json"))
+    r = analyse(spec, read_records(folder / "results"), read_plan(folder / "results" / "plan.json"), robust=False)
     claimed_equal = spec.primary.direction == "equal"
     return {
         arm: (word(r["verdicts"][arm][0], claimed_equal), short(r["diffs"][arm].describe()), r)

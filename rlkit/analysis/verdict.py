@@ -138,8 +138,9 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
     return learned, lines
 
 
-def analyse(spec, records: list, plan: dict | None) -> dict:
-    """Every number of the report, from the records alone."""
+def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict:
+    """Every number of the report, from the records alone; `robust` False leaves out the secondary
+    lines' bootstrap statistics (the slow part), for a summary that needs only the verdicts."""
     treatments = [a for a in spec.arms if a != spec.baseline]
     arms, left_out = runs_by_arm(records)
     values = per_run(arms, spec.primary)
@@ -162,7 +163,7 @@ def analyse(spec, records: list, plan: dict | None) -> dict:
                 (
                     f"{aggregate_name(m.aggregate)} {m.metric}: {arm} - {spec.baseline}",
                     stats.paired(a, b, spec.alpha),
-                    stats.robust(a, b, m.lower, spec.alpha),
+                    stats.robust(a, b, m.lower, spec.alpha) if robust else None,
                     arm,
                     m.lower,
                 )
