@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import make_rollout
 from helpers import make_rollout as rollout
 from rlkit.advantages import GAE, GRPO, RLOO, DrGRPO, ProcessSupervision
 from rlkit.guards import checked_advantages
@@ -101,18 +100,18 @@ def test_batch_std_scope_divides_by_the_std_of_the_whole_batch():
 
 
 def test_dr_grpo_by_hand():
-    adv = DrGRPO()(make_rollout([1, 0, 0, 0], 4))
+    adv = DrGRPO()(rollout([1, 0, 0, 0], 4))
     assert adv[:, 0].tolist() == [0.75, -0.25, -0.25, -0.25]
 
 
 def test_rloo_by_hand():
     # r_0 = 1, baseline = mean of others = 0 -> 1; r_1 = 0, baseline (1+0+0)/3 -> -1/3
-    adv = RLOO()(make_rollout([1, 0, 0, 0], 4))
+    adv = RLOO()(rollout([1, 0, 0, 0], 4))
     assert torch.allclose(adv[:, 0], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
 
 
 def test_reward_shaping_and_kl_penalty_enter_the_group_return():
-    r = make_rollout([1, 1], 2, lengths=[2, 4], shaping=[0.0, -0.5])
+    r = rollout([1, 1], 2, lengths=[2, 4], shaping=[0.0, -0.5])
     r.kl_penalty = torch.full((2, 4), 0.25)  # summed over each completion's tokens: 0.5 and 1.0
     # returns 0.5 and -0.5 -> Dr. GRPO advantages +-0.5
     assert DrGRPO()(r)[:, 0].tolist() == [0.5, -0.5]
@@ -133,13 +132,13 @@ group_rewards = st.integers(2, 6).flatmap(
 def test_group_estimators_properties(g, shift):
     G, flat = g
     for est in (GRPO(eps=0.0), DrGRPO(), RLOO()):
-        base = est(make_rollout(flat, G))[:, 0].view(-1, G)
+        base = est(rollout(flat, G))[:, 0].view(-1, G)
         assert torch.allclose(base.sum(1), torch.zeros(base.shape[0]), atol=1e-3)  # zero-sum per group
-        shifted = est(make_rollout([x + shift for x in flat], G))[:, 0].view(-1, G)
+        shifted = est(rollout([x + shift for x in flat], G))[:, 0].view(-1, G)
         spread = torch.tensor(flat).view(-1, G).std(1, keepdim=True) > 1e-2
         assert torch.allclose(shifted * spread, base * spread, atol=1e-3)  # shift-invariant
     # Dr. GRPO equals RLOO times (G-1)/G
-    assert torch.allclose(DrGRPO()(make_rollout(flat, G)), RLOO()(make_rollout(flat, G)) * (G - 1) / G, atol=1e-5)
+    assert torch.allclose(DrGRPO()(rollout(flat, G)), RLOO()(rollout(flat, G)) * (G - 1) / G, atol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
@@ -149,13 +148,13 @@ def test_padding_changes_nothing(g, extra):
     lengths = [1 + i % 3 for i in range(len(flat))]
     for est in (GRPO(), DrGRPO(), RLOO(), GAE(lam=0.9, whiten=True)):
         values = torch.linspace(0, 1, 3 + extra)[None].expand(len(flat), -1)
-        a = checked_advantages(est, make_rollout(flat, G, lengths, T=3), values[:, :3])[0]
-        b = checked_advantages(est, make_rollout(flat, G, lengths, T=3 + extra), values)[0]
+        a = checked_advantages(est, rollout(flat, G, lengths, T=3), values[:, :3])[0]
+        b = checked_advantages(est, rollout(flat, G, lengths, T=3 + extra), values)[0]
         assert torch.allclose(b[:, :3], a, atol=1e-5) and not b[:, 3:].any()
 
 
 def test_gae_with_unit_gamma_lambda_and_zero_values_is_reward_to_go():
-    r = make_rollout([1.0, -2.0], 1, lengths=[3, 2], T=4)
+    r = rollout([1.0, -2.0], 1, lengths=[3, 2], T=4)
     r.kl_penalty = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.5, 0.5, 0.0, 0.0]])
     adv, ret = GAE(gamma=1.0, lam=1.0, whiten=False)(r, torch.zeros(2, 4))
     # token rewards: [-0.1, -0.2, 1-0.3] and [-0.5, -2-0.5]; reward-to-go sums from t to the end
@@ -165,7 +164,7 @@ def test_gae_with_unit_gamma_lambda_and_zero_values_is_reward_to_go():
 
 def test_gae_by_hand():
     # one completion of 3 tokens, reward 1 at the end, V = [0.5, 0.2, 0.6], gamma 0.9, lambda 0.5
-    r = make_rollout([1.0], 1, lengths=[3], T=3)
+    r = rollout([1.0], 1, lengths=[3], T=3)
     v = torch.tensor([[0.5, 0.2, 0.6]])
     adv, ret = GAE(gamma=0.9, lam=0.5, whiten=False)(r, v)
     d = [0 + 0.9 * 0.2 - 0.5, 0 + 0.9 * 0.6 - 0.2, 1 - 0.6]  # deltas
@@ -176,7 +175,7 @@ def test_gae_by_hand():
 
 
 def test_gae_whitening_over_the_batch():
-    r = make_rollout([1.0, 0.0, 3.0], 1, lengths=[2, 3, 1], T=3)
+    r = rollout([1.0, 0.0, 3.0], 1, lengths=[2, 3, 1], T=3)
     adv, _ = GAE(lam=1.0)(r, torch.zeros(3, 3))
     m = r.completion_mask.bool()
     assert abs(float(adv[m].mean())) < 1e-6 and float(adv[m].std()) == pytest.approx(1.0, abs=1e-5)
@@ -186,7 +185,7 @@ def test_gae_whitening_over_the_batch():
 def test_process_supervision_by_hand():
     # group of 2; completion 0 has steps ending at tokens 1 and 3 with rewards 1, 0;
     # completion 1 one step at token 2 with reward 1. Step rewards [1, 0, 1]: mean 2/3, sample std 0.57735
-    r = make_rollout([0.0, 1.0], 2, lengths=[4, 3], T=4)
+    r = rollout([0.0, 1.0], 2, lengths=[4, 3], T=4)
     r.step_rewards = torch.tensor([[0, 1.0, 0, 0.0], [0, 0, 1.0, 0]])
     r.step_mask = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 0]]).bool()
     adv = ProcessSupervision(eps=0.0)(r)
@@ -196,6 +195,6 @@ def test_process_supervision_by_hand():
 
 
 def test_process_supervision_equal_steps_give_zero():
-    r = make_rollout([1.0, 1.0], 2, lengths=[2, 2], T=2)
+    r = rollout([1.0, 1.0], 2, lengths=[2, 2], T=2)
     r.step_rewards, r.step_mask = torch.ones(2, 2), torch.ones(2, 2).bool()
     assert not ProcessSupervision()(r).any()
