@@ -23,7 +23,7 @@ import time
 import torch
 from bench_vs_trl import SIZES, rlkit_state
 
-from rlkit.loop import collect, learn
+from rlkit.loop import collect, prepare_and_update
 
 SIZES = {
     **SIZES,
@@ -53,7 +53,7 @@ def measure(size: str, group: int, budget: int, prompts: int, steps: int, natura
             state.runtime.timer.clear()
             t0 = time.perf_counter()
             rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
-            learn(state, rollout)
+            prepare_and_update(state, rollout)
             times.append(time.perf_counter() - t0)
             splits.append(dict(state.runtime.timer))
             tokens.append(int(rollout.completion_mask.sum()))

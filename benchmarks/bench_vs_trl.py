@@ -46,10 +46,10 @@ from rlkit import parallel
 from rlkit.config import build
 from rlkit.guards import checked_advantages
 from rlkit.logprobs import rollout_logprobs
-from rlkit.loop import collect, learn
+from rlkit.loop import collect, prepare_and_update
 from rlkit.setup import setup
 from rlkit.signals import StopSignals
-from rlkit.types import Rollout
+from rlkit.types import LossInput, Rollout
 
 MODELS: list = []  # every side's models, whose parameters `peak_memory` does not count as activations
 SIZES = {  # the testbed's Qwen2 at two sizes, and a real pretrained model (chat-templated prompts)
@@ -213,7 +213,7 @@ def equal_maths(state, trainer) -> dict:
     state.parts.policy.train()
     logp, entropy = rollout_logprobs(state.parts.policy, r, state.cfg.rollout.temperature, "metric")  # [N, Tc]
     mask = state.parts.loss.train_mask(r)  # [N, Tc]
-    L, _ = state.parts.loss(logp, logp.detach(), adv, mask, ref, entropy)  # [N, Tc]
+    L, _ = state.parts.loss(LossInput(logp, logp.detach(), adv, mask, ref, entropy))  # [N, Tc]
     ours = (L * parallel.global_weights(state.parts.aggregator, mask)).sum()
     ours.backward()
     theirs = trainer.compute_loss(policy, inputs)
@@ -320,7 +320,7 @@ def rlkit_step(state, side: "Side") -> None:
     with peak_memory(state.runtime.device, side.peaks, side.activations):
         t0 = time.perf_counter()
         rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
-        learn(state, rollout)
+        prepare_and_update(state, rollout)
         side.steps.append(time.perf_counter() - t0)
     side.phases.append(dict(state.runtime.timer))
     side.tokens.append(float(rollout.completion_mask.sum()))

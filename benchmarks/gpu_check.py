@@ -19,7 +19,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 import rlkit.config  # noqa: F401  (registers the config schema)
-from rlkit.loop import collect, learn
+from rlkit.loop import collect, prepare_and_update
 from rlkit.setup import setup
 
 
@@ -35,7 +35,7 @@ def check(overrides: list[str], steps: int, peak_tflops: float, device: str) -> 
         for step in range(steps + 1):  # the first step warms up kernels and is not counted
             state.runtime.timer.clear()
             rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
-            learn(state, rollout)
+            prepare_and_update(state, rollout)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             if step:

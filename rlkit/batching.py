@@ -1,5 +1,6 @@
-"""Micro-batches of a rollout's rows: grouped by length so that each is trimmed to little padding,
-and a no-grad forward run over them with its outputs put back in row order."""
+"""How the update cuts a rollout: mini-batches of whole groups (one optimizer step each), and
+micro-batches of rows grouped by length so that each is trimmed to little padding; and a no-grad
+forward run over micro-batches with its outputs put back in row order."""
 
 from __future__ import annotations
 
@@ -28,8 +29,15 @@ def micro_batches(r: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: int
     return out + [torch.tensor(cur)] if cur else out
 
 
+def mini_batches(rollout: Rollout, epochs: int, n: int):
+    """Row indices of each mini-batch, whole groups, reshuffled every epoch when n > 1.  -> [n_rows] each"""
+    for _ in range(epochs):
+        groups = torch.randperm(rollout.num_groups) if n > 1 else torch.arange(rollout.num_groups)
+        yield from (rollout.group_rows(mb) for mb in groups.chunk(n))
+
+
 @torch.no_grad()
-def batched(fn, r: Rollout, micro: list[torch.Tensor], outputs: int = 1):
+def over_micro_batches(fn, r: Rollout, micro: list[torch.Tensor], outputs: int = 1):
     """fn over the micro-batches of rows `micro`, put back in row order; `outputs` > 1: fn returns
     that many tensors.  -> [N, Tc] (each)"""
     out = [torch.zeros(r.completion_ids.shape, device=r.completion_ids.device) for _ in range(outputs)]  # [N, Tc] each

@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from rlkit.types import Generation, Rollout
+from rlkit.types import Generation, LossInput, Rollout
 
 
 class AdvantageEstimator(Protocol):
@@ -52,27 +52,18 @@ class Sampler(Protocol):
 
 
 class PolicyLoss(Protocol):
-    """Group `loss`. `loss(logp, old_logp, adv, mask, ref_logp, entropy, is_weight, select)` -> (per-token loss
-    `[n, Tc]`, statistics `{name: [n, Tc]}`); the loop logs each statistic's token mean as
-    `train/<name>` without knowing the names. `train_mask(rollout)` is the completion mask the
-    aggregator normalises over (a loss may drop rows, e.g. truncated ones)."""
+    """Group `loss`. `loss(x)` takes one micro-batch's `LossInput` (log-probs with gradient, old and
+    reference log-probs, advantages, mask, entropy, the correction's weights, the selected tokens)
+    and returns (per-token loss `[n, Tc]`, statistics `{name: [n, Tc]}`); the loop logs each
+    statistic's token mean as `train/<name>` without knowing the names. `train_mask(rollout)` is
+    the completion mask the aggregator normalises over (a loss may drop rows, e.g. truncated ones)."""
 
     beta: float = 0.0  # KL coefficient; 0 builds no reference model and runs no reference forward
     kl_in_reward: bool = False  # True: the core subtracts beta * KL from the per-token reward instead
     entropy_grad: bool = False  # True: the entropy passed in carries a gradient (an entropy bonus)
     selects_tokens: bool = False  # True: `token_selection` picks the tokens the policy term acts on
 
-    def __call__(
-        self,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        adv: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None = None,
-        entropy: torch.Tensor | None = None,
-        is_weight: torch.Tensor | None = None,
-        select: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict]: ...  # is_weight: the correction's [n, Tc]; select: 0/1 [n, Tc]
+    def __call__(self, x: LossInput) -> tuple[torch.Tensor, dict]: ...
     def kl_penalty(self, old_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor: ...  # [N, Tc]
     def train_mask(self, rollout: Rollout) -> torch.Tensor: ...  # [N, Tc]
 

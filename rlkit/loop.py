@@ -15,25 +15,17 @@ from omegaconf import DictConfig
 from transformers.utils import logging as hf_logging
 
 from rlkit import parallel
-from rlkit.batching import batched, micro_batches
+from rlkit.batching import micro_batches, mini_batches, over_micro_batches
 from rlkit.config import shuffle_mode
 from rlkit.critic import explained_variance
 from rlkit.evaluate import evaluate
 from rlkit.guards import checked_advantages, finite
 from rlkit.logprobs import rollout_logprobs
-from rlkit.metrics import (
-    feature_metrics,
-    mean_or_none,
-    mismatch_metrics,
-    reward_metrics,
-    rollout_metrics,
-    samples,
-    weight_metrics,
-)
+from rlkit.metrics import kept_metrics, mean_or_none, mismatch_metrics, samples, update_metrics, weight_metrics
 from rlkit.rewards import overlong_penalty, score, shuffled, step_reward_matrix
 from rlkit.setup import eval_options
 from rlkit.state import Parts, Run, Runtime
-from rlkit.types import Batch, Rollout, UpdateStats
+from rlkit.types import Batch, LossInput, Rollout, UpdateStats
 
 hf_logging.disable_progress_bar()
 
@@ -54,40 +46,28 @@ def collect(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig) -> tup
     rollout, metrics = parts.sampler.sample(make)
     if parts.engine.lag is not None:  # updates between the sampled weights and the trainer's
         metrics["offpolicy/lag"] = parts.engine.lag
-    every = torch.cat([r.rewards for r in generated])  # [N_generated] kept or not
-    return rollout, {
-        **metrics,
-        "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in generated),
-        "train/reward_all": mean_or_none(every),
-    }
+    metrics["train/gen_tokens"] = sum(int(r.completion_mask.sum()) for r in generated)
+    metrics["train/reward_all"] = mean_or_none(torch.cat([r.rewards for r in generated]))  # kept or not
+    return rollout, metrics
 
 
 def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, rows: list[dict]) -> Rollout:
-    G = R.group_size
-    rows = [
-        row for row in parallel.shard(rows, rt.rank, rt.parallel.world) for _ in range(G)
-    ]  # N rows, groups contiguous
+    """G completions of each of this process's share of `rows`, decoded and scored."""
+    G, world, timeout = R.group_size, rt.parallel.world, reward.timeout_s
+    rows = [row for row in parallel.shard(rows, rt.rank, world) for _ in range(G)]  # N rows, groups contiguous
     with rt.timer("generate"):
         gen = parts.engine.generate([r["prompt"] for r in rows], R.max_new_tokens, R.temperature, R.top_p)
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        rewards, reward_parts = score(
-            parts.task, parts.reward_fns, reward.combine, rows, texts, G, reward.timeout_s
-        )  # [N], [N, K]
-        rewards = shuffled(
-            rewards, G, shuffle_mode(reward.shuffle)
-        )  # [N] the control: rewards unrelated to completions
-        r = Rollout.from_generation(
-            gen, G, rows=rows, texts=texts, rewards=rewards.to(rt.device), reward_parts=reward_parts
-        )
+        rewards, by_fn = score(parts.task, parts.reward_fns, reward.combine, rows, texts, G, timeout)  # [N], [N, K]
+        rewards = shuffled(rewards, G, shuffle_mode(reward.shuffle)).to(rt.device)  # [N] the control: unrelated rewards
+        r = Rollout.from_generation(gen, G, rows=rows, texts=texts, rewards=rewards, reward_parts=by_fn)
         if reward.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, reward.overlong_cache)  # [N]
         if parts.advantage.needs_step_rewards:
+            steps = parts.task.score_steps(rows, texts, timeout)
             r.step_rewards, r.step_mask = step_reward_matrix(
-                parts.task.score_steps(rows, texts, reward.timeout_s),
-                gen.completion_ids,
-                gen.completion_mask,
-                parts.tokenizer,
+                steps, r.completion_ids, r.completion_mask, parts.tokenizer
             )
     return r
 
@@ -99,34 +79,32 @@ def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollou
     """`O`: the optim config (epochs, mini- and micro-batches); `temperature`: the rollout's."""
     loss = parts.loss
     rows = micro_batches(rollout, torch.arange(rollout.num_rows), O.micro_batch_size, O.micro_batch_tokens)
-    entropy_kind = "metric" if loss.selects_tokens else "none"
 
-    def logprobs(model, kind: str = "none"):  # fn(micro-batch) -> (logp, entropy) [m, Tc] each
-        return partial(rollout_logprobs, model, temperature=temperature, entropy=kind, share=O.share_prefix)
+    def forward(model, entropy: str = "none"):  # -> (logp, entropy) [N, Tc] each; (None, None) without a model
+        if model is None:
+            return None, None
+        fn = partial(rollout_logprobs, model, temperature=temperature, entropy=entropy, share=O.share_prefix)
+        return over_micro_batches(fn, rollout, rows, outputs=2)
 
-    # old log-probs come free from the update itself unless the rollout is reused, the KL sits in the
-    # reward, the engine's numbers are not the trainer's, or the loss selects tokens by their entropy
-    reuse = (
-        O.epochs == 1
-        and O.mini_batches == 1
-        and not loss.kl_in_reward
-        and parts.engine.exact_logprobs
-        and not loss.selects_tokens
-    )
     with rt.timer("logprob"):
-        ref_logp = (
-            batched(logprobs(parts.ref), rollout, rows, outputs=2)[0] if parts.ref is not None else None
-        )  # [N, Tc]
-        old_logp, entropy = (
-            (None, None) if reuse else batched(logprobs(parts.policy, entropy_kind), rollout, rows, outputs=2)
-        )  # [N, Tc] each
-        old_values = batched(parts.critic.values, rollout, rows) if parts.critic is not None else None  # [N, Tc]
+        ref_logp = forward(parts.ref)[0]  # [N, Tc]
+        old_model = parts.policy if needs_old_logprobs(parts, O) else None  # None: the update's own, detached
+        old_logp, entropy = forward(old_model, "metric" if loss.selects_tokens else "none")  # [N, Tc] each
+        values = over_micro_batches(parts.critic.values, rollout, rows) if parts.critic is not None else None  # [N, Tc]
     if loss.kl_in_reward:
         rollout.kl_penalty = loss.kl_penalty(old_logp, ref_logp)  # [N, Tc]
-    adv, returns = checked_advantages(parts.advantage, rollout, old_values)  # [N, Tc] each
+    adv, returns = checked_advantages(parts.advantage, rollout, values)  # [N, Tc] each
     mask = loss.train_mask(rollout)  # [N, Tc]
     select = loss.token_selection(entropy, mask) if loss.selects_tokens else None  # [N, Tc]
-    return Batch(rollout, mask, adv, returns, old_logp, ref_logp, old_values, select)
+    return Batch(rollout, mask, adv, returns, old_logp, ref_logp, values, select)
+
+
+def needs_old_logprobs(parts: Parts, O: DictConfig) -> bool:
+    """Whether the old log-probs need a forward of their own: they come free from the update itself
+    unless the rollout is reused, the KL sits in the reward, the engine's numbers are not the
+    trainer's, or the loss selects tokens by their entropy."""
+    reused = O.epochs > 1 or O.mini_batches > 1
+    return reused or parts.loss.kl_in_reward or parts.loss.selects_tokens or not parts.engine.exact_logprobs
 
 
 # ---- 3. update: epochs x mini-batches (by groups) x micro-batches; the critic on the same mini-batches ------------
@@ -151,49 +129,45 @@ def update(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: 
     return stats
 
 
-def mini_batches(rollout: Rollout, epochs: int, n: int):
-    """Row indices of each mini-batch, whole groups, reshuffled every epoch when n > 1.  -> [n_rows] each"""
-    for _ in range(epochs):
-        groups = torch.randperm(rollout.num_groups) if n > 1 else torch.arange(rollout.num_groups)
-        yield from (rollout.group_rows(mb) for mb in groups.chunk(n))
-
-
 def policy_step(
     parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: Batch, rows: torch.Tensor, stats: UpdateStats
 ) -> bool:
     """One optimizer step on `rows`, accumulated over micro-batches; False (and no step) when the
     loss or the gradient norm is not finite."""
-    loss_fn = parts.loss
     weights = parallel.global_weights(parts.aggregator, batch.mask[rows])  # [n, Tc] normalised over the mini-batch
     parts.optimizer.zero_grad(set_to_none=True)
     total, entropy_sums = 0.0, torch.zeros(2)  # the selected tokens' entropy sum and count (adaptive coefficient)
     for micro in micro_batches(batch.rollout, rows, O.micro_batch_size, O.micro_batch_tokens):
-        idx = rows[micro]  # [m]
-        r, m, adv = batch.rollout.select_rows(idx), batch.mask[idx], batch.adv[idx]  # [m, Tc] each
-        logp, entropy = rollout_logprobs(
-            parts.policy, r, temperature, "grad" if loss_fn.entropy_grad else "metric", share=O.share_prefix
-        )  # [m, Tc] each
-        old = logp.detach() if batch.old_logp is None else batch.old_logp[idx]  # [m, Tc]
-        behaviour = old if r.behaviour_logp is None else r.behaviour_logp  # [m, Tc] what the engine sampled with
-        is_weight, corrected = parts.correction(logp.detach(), old, behaviour, adv, m)  # [m, Tc]
-        ref = batch.ref_logp[idx] if batch.ref_logp is not None else None
-        sel = batch.select[idx] if batch.select is not None else None  # [m, Tc]
-        L, info = loss_fn(logp, old, adv, m, ref, entropy, is_weight, sel)  # [m, Tc]
+        x, corrected = loss_input(parts, O.share_prefix, temperature, batch, rows[micro])
+        L, info = parts.loss(x)  # [m, Tc]
         loss = (L * weights[micro]).sum()
         if not finite(loss.detach()):
             stats.skipped = True
             break
         loss.backward()
         total += float(loss.detach())
-        for k, v in {**info, **corrected, "entropy": entropy.detach()}.items():
-            stats.sums[k] = stats.sums.get(k, 0.0) + float((v * m).sum())
-        stats.tokens += float(m.sum())
-        counted = m if sel is None else m * sel  # [m, Tc]
-        entropy_sums += torch.stack([(entropy.detach() * counted).sum(), counted.sum()]).cpu()
+        entropy = x.entropy.detach()  # [m, Tc]
+        stats.add({**info, **corrected, "entropy": entropy}, x.mask)
+        counted = x.mask if x.select is None else x.mask * x.select  # [m, Tc]
+        entropy_sums += torch.stack([(entropy * counted).sum(), counted.sum()]).cpu()
     if not finish_step(parts, rt, O.max_grad_norm, stats, total):
         return False
-    loss_fn.end_step(entropy_sums)
+    parts.loss.end_step(entropy_sums)
     return True
+
+
+def loss_input(parts: Parts, share: str, temperature: float, batch: Batch, idx: torch.Tensor) -> tuple[LossInput, dict]:
+    """Rows `idx` of the batch as the loss takes them: the policy's forward (with gradient) and the
+    correction's weights, with the correction's statistics."""
+    r, adv, mask = batch.rollout.select_rows(idx), batch.adv[idx], batch.mask[idx]  # [m, Tc] each
+    entropy_kind = "grad" if parts.loss.entropy_grad else "metric"
+    logp, entropy = rollout_logprobs(parts.policy, r, temperature, entropy_kind, share=share)  # [m, Tc] each
+    old = logp.detach() if batch.old_logp is None else batch.old_logp[idx]  # [m, Tc]
+    behaviour = old if r.behaviour_logp is None else r.behaviour_logp  # [m, Tc] what the engine sampled with
+    is_weight, corrected = parts.correction(logp.detach(), old, behaviour, adv, mask)  # [m, Tc]
+    ref = batch.ref_logp[idx] if batch.ref_logp is not None else None  # [m, Tc]
+    select = batch.select[idx] if batch.select is not None else None  # [m, Tc]
+    return LossInput(logp, old, adv, mask, ref, entropy, is_weight, select), corrected
 
 
 def finish_step(parts: Parts, rt: Runtime, max_grad_norm: float, stats: UpdateStats, total: float) -> bool:
@@ -222,31 +196,16 @@ def measure(
     if batch is None:
         metrics["train/skipped_empty_batch"] = 1
     elif rollout.num_rows:  # under data parallel, dynamic sampling may keep nothing on this rank alone
-        metrics.update(rollout_metrics(rollout, batch.adv))
-        metrics.update(feature_metrics(parts.task, rollout.rows, rollout.texts, "train"))
-        metrics.update(reward_metrics(rollout, list(parts.reward_fns)))
-        if rollout.behaviour_logp is not None and batch.old_logp is not None:  # the engine's numbers vs the trainer's
-            c = parts.correction
-            band = (c.c_min, c.c_max if c.c_max is not None else float("inf"))
-            metrics.update(mismatch_metrics(batch.old_logp, rollout.behaviour_logp, rollout.completion_mask, *band))
+        metrics.update(kept_metrics(parts.task, list(parts.reward_fns), rollout, batch.adv))
+        band = parts.correction.c_min, parts.correction.c_max  # the engine's numbers vs the trainer's
+        metrics.update(mismatch_metrics(batch.old_logp, rollout.behaviour_logp, rollout.completion_mask, *band))
     if batch is not None and not stats.skipped:
         weights = parallel.global_weights(parts.aggregator, batch.mask)  # [N, Tc] every rank takes part
         if rollout.num_rows:
             metrics.update(weight_metrics(rollout, batch.adv, weights))
-        metrics.update({f"train/{k}": v / max(stats.tokens, 1.0) for k, v in stats.sums.items()})
-        metrics.update(
-            {
-                "train/loss": sum(stats.losses) / len(stats.losses),
-                "train/grad_norm": sum(stats.grad_norms) / len(stats.grad_norms),
-            }
-        )
+    metrics.update(update_metrics(stats))
     if stats.value_losses:
-        metrics.update(
-            {
-                "train/value_loss": sum(stats.value_losses) / len(stats.value_losses),
-                "train/explained_variance": explained_variance(batch.old_values, batch.returns, batch.mask),
-            }
-        )
+        metrics["train/explained_variance"] = explained_variance(batch.old_values, batch.returns, batch.mask)
     metrics.update(parts.task.step_metrics())
     metrics.update({f"time/{k}": v for k, v in rt.timer.items()})
     metrics["perf/tokens_per_s"] = float(rollout.completion_mask.sum()) / rt.timer["step"]
@@ -264,12 +223,11 @@ def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
     with rt.timer("step"):
         rollout, metrics = collect(parts, rt, cfg.rollout, cfg.reward)
         kept = parallel.any_rank(rollout.num_rows > 0)  # dynamic sampling may keep nothing
-        batch, stats = learn(run, rollout) if kept else (None, UpdateStats())
+        batch, stats = prepare_and_update(run, rollout) if kept else (None, UpdateStats())
     metrics = measure(parts, rt, n, rollout, batch, stats, metrics)
     if n == cfg.steps or (cfg.eval.every and n % cfg.eval.every == 0):
-        run.progress.last_eval = evaluate(
-            parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg), policy=parts.policy
-        )
+        engine, options = parts.engine.latest(), eval_options(cfg)
+        run.progress.last_eval = evaluate(engine, parts.tokenizer, parts.task, **options, policy=parts.policy)
         metrics.update(run.progress.last_eval)
     metrics = parallel.mean_metrics(metrics)
     rt.logger.log(n, metrics)  # metrics without a value (None) are left out
@@ -278,7 +236,7 @@ def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
     return metrics, stats
 
 
-def learn(run: Run, rollout: Rollout) -> tuple[Batch, UpdateStats]:
+def prepare_and_update(run: Run, rollout: Rollout) -> tuple[Batch, UpdateStats]:
     """Phases 2 and 3 on a collected rollout."""
     O, temperature = run.cfg.optim, run.cfg.rollout.temperature
     batch = prepare(run.parts, run.runtime, O, temperature, rollout)

@@ -15,7 +15,7 @@ import torch
 
 from rlkit import parallel
 from rlkit.components import PolicyLoss
-from rlkit.types import Rollout
+from rlkit.types import LossInput, Rollout
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -155,27 +155,25 @@ class Regularised(PolicyLoss):
     def surrogate(self, logp, old_logp, adv, mask) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
 
-    def weighted_surrogate(self, logp, old_logp, adv, mask, is_weight) -> tuple[torch.Tensor, dict]:
+    def weighted_surrogate(self, x: LossInput) -> tuple[torch.Tensor, dict]:
         """The surrogate times the off-policy correction's weights (None: no correction)."""
-        loss, stats = self.surrogate(logp, old_logp, adv, mask)  # [n, Tc]
-        return (loss if is_weight is None else loss * is_weight), stats
+        loss, stats = self.surrogate(x.logp, x.old_logp, x.adv, x.mask)  # [n, Tc]
+        return (loss if x.is_weight is None else loss * x.is_weight), stats
 
-    def __call__(
-        self, logp, old_logp, adv, mask, ref_logp=None, entropy=None, is_weight=None, select=None
-    ) -> tuple[torch.Tensor, dict]:
-        """`is_weight` [n, Tc]: the correction's weights; `select` [n, Tc]: the tokens the policy term
-        and the entropy bonus act on (top-entropy selection); None: all."""
-        loss, stats = self.weighted_surrogate(logp, old_logp, adv, mask, is_weight)  # [n, Tc]
-        if select is not None:
-            loss = loss * select
-        if ref_logp is not None:
-            kl = kl_estimate(logp, ref_logp, self.kl_estimator)  # [n, Tc]
+    def __call__(self, x: LossInput) -> tuple[torch.Tensor, dict]:
+        """The per-token loss [n, Tc] and its statistics: the weighted surrogate on the selected
+        tokens, plus the KL term (unless it sits in the reward), minus the entropy bonus."""
+        loss, stats = self.weighted_surrogate(x)  # [n, Tc]
+        if x.select is not None:
+            loss = loss * x.select
+        if x.ref_logp is not None:
+            kl = kl_estimate(x.logp, x.ref_logp, self.kl_estimator)  # [n, Tc]
             stats["kl"] = kl.detach()
             if not self.kl_in_reward:
-                loss = loss + self.beta * (kl * torch.exp(logp - old_logp) if self.kl_is_weighted else kl)
+                loss = loss + self.beta * (kl * torch.exp(x.logp - x.old_logp) if self.kl_is_weighted else kl)
         coef = self.current_entropy_coef()
-        if entropy is not None and coef:
-            loss = loss - coef * (entropy if select is None else entropy * select)
+        if x.entropy is not None and coef:
+            loss = loss - coef * (x.entropy if x.select is None else x.entropy * x.select)
         return loss, stats  # [n, Tc]
 
     @property
@@ -305,12 +303,13 @@ class VESPO(Regularised):
         super().__init__(**regularise)
         self.k_pos, self.lambda_pos, self.k_neg, self.lambda_neg = k_pos, lambda_pos, k_neg, lambda_neg
 
-    def weighted_surrogate(self, logp, old_logp, adv, mask, is_weight):
-        low = math.log(1e-8)
+    def weighted_surrogate(self, x: LossInput):
+        """The correction's weights enter each sequence's importance ratio w, not the product."""
+        low, logp, adv, mask = math.log(1e-8), x.logp, x.adv, x.mask
         with torch.no_grad():
-            log_w = ((logp - old_logp).clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [n, 1]
-            if is_weight is not None:
-                log_w = log_w + (torch.log(is_weight).clamp(low, 20) * mask).sum(-1, keepdim=True)
+            log_w = ((logp - x.old_logp).clamp(-20, 20) * mask).sum(-1, keepdim=True)  # [n, 1]
+            if x.is_weight is not None:
+                log_w = log_w + (torch.log(x.is_weight).clamp(low, 20) * mask).sum(-1, keepdim=True)
             log_w = log_w.clamp(low, 20)  # [n, 1]
             pos = seq_mean(adv, mask) >= 0  # [n, 1]
             k = torch.where(pos, self.k_pos, self.k_neg)  # [n, 1]
@@ -319,7 +318,7 @@ class VESPO(Regularised):
         return -phi * adv * logp, {"phi": phi.expand_as(mask)}  # [n, Tc]
 
     def surrogate(self, logp, old_logp, adv, mask):
-        return self.weighted_surrogate(logp, old_logp, adv, mask, None)
+        return self.weighted_surrogate(LossInput(logp, old_logp, adv, mask))
 
 
 class GMPO(Regularised):

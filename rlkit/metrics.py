@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit.types import Rollout
+from rlkit.types import Rollout, UpdateStats
 
 
 def mean_or_none(x: torch.Tensor) -> float | None:
@@ -97,6 +97,16 @@ def feature_metrics(task, rows: list[dict], texts: list[str], prefix: str, hard:
     return out
 
 
+def kept_metrics(task, reward_names: list[str], r: Rollout, adv: torch.Tensor) -> dict:
+    """The statistics of the rollout trained on: rewards, lengths, advantages, the task's features
+    and each reward term."""
+    return {
+        **rollout_metrics(r, adv),
+        **feature_metrics(task, r.rows, r.texts, "train"),
+        **reward_metrics(r, reward_names),
+    }
+
+
 def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict:
     """Effective per-token weight (advantage x aggregator weight): summed over correct and over
     incorrect completions, and its mean magnitude per token for short and long completions
@@ -137,13 +147,20 @@ def samples(r: Rollout, adv: torch.Tensor, per_group: int = 2, groups: int = 8) 
 
 @torch.no_grad()
 def mismatch_metrics(
-    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, c_min: float = 0.5, c_max: float = 2.0
+    old_logp: torch.Tensor | None,
+    behaviour_logp: torch.Tensor | None,
+    mask: torch.Tensor,
+    c_min: float = 0.5,
+    c_max: float | None = 2.0,
 ) -> dict:
     """How far the engine's sampling distribution mu is from the trainer's pi_old on the sampled
     tokens: k3 estimate of KL(mu || pi_old) (r - 1 - log r with r = pi_old/mu, samples from mu),
     the ratio's mean, min and max, the mean |log r|, and the share of tokens with r outside
-    [c_min, c_max]. When the engine's numbers are the trainer's: k3, |log r| and the share outside
-    are 0 and every ratio is 1. No masked token: no metric (an empty dict), not zeros."""
+    [c_min, c_max] (c_max None: no upper bound). When the engine's numbers are the trainer's: k3,
+    |log r| and the share outside are 0 and every ratio is 1. No masked token, or no log-probs of
+    either side (None): no metric (an empty dict), not zeros."""
+    if old_logp is None or behaviour_logp is None:
+        return {}
     m = mask.bool()
     log_r = (old_logp - behaviour_logp)[m]  # [tokens]
     if not len(log_r):
@@ -155,5 +172,14 @@ def mismatch_metrics(
         "offpolicy/ratio_min": float(r.min()),
         "offpolicy/ratio_max": float(r.max()),
         "offpolicy/abs_log_ratio": float(log_r.abs().mean()),
-        "offpolicy/outside_frac": float(((r < c_min) | (r > c_max)).float().mean()),
+        "offpolicy/outside_frac": float(((r < c_min) | (r > (c_max or float("inf")))).float().mean()),
     }
+
+
+def update_metrics(stats: UpdateStats) -> dict:
+    """The update's statistics: each loss statistic's token mean and the mean loss and gradient
+    norm over its optimizer steps (none when it was skipped), and the critic's mean value loss."""
+    means = {} if stats.skipped else {"loss": stats.losses, "grad_norm": stats.grad_norms}
+    means = {k: v for k, v in {**means, "value_loss": stats.value_losses}.items() if v}
+    sums = {} if stats.skipped else {k: v / max(stats.tokens, 1.0) for k, v in stats.sums.items()}
+    return {f"train/{k}": v for k, v in {**sums, **{k: sum(v) / len(v) for k, v in means.items()}}.items()}

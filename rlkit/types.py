@@ -1,6 +1,6 @@
 """The data the phases pass along, on the ground floor (no rlkit imports): what an engine returns
-(`Generation`), a scored rollout (`Rollout`), a rollout prepared for the update (`Batch`) and
-what the update did (`UpdateStats`).
+(`Generation`), a scored rollout (`Rollout`), a rollout prepared for the update (`Batch`), what
+a policy loss sees of one micro-batch (`LossInput`) and what the update did (`UpdateStats`).
 
 A `Rollout` holds P prompt groups of G completions each (N = P*G rows, group i is rows
 i*G..(i+1)*G-1): left-padded prompts, right-padded completions and their masks.
@@ -125,6 +125,20 @@ class Batch:
 
 
 @dataclass
+class LossInput:
+    """What a policy loss sees of one micro-batch, every tensor [n, Tc]; None: not used in this run."""
+
+    logp: torch.Tensor  # the policy's log-probs of the sampled tokens, with gradient
+    old_logp: torch.Tensor  # the log-probs the advantages were computed under (no gradient)
+    adv: torch.Tensor  # advantages
+    mask: torch.Tensor  # the loss's training mask
+    ref_logp: torch.Tensor | None = None  # the frozen reference's log-probs (loss.beta > 0)
+    entropy: torch.Tensor | None = None  # the policy's token entropy; with gradient under an entropy bonus
+    is_weight: torch.Tensor | None = None  # the off-policy correction's weights (no gradient)
+    select: torch.Tensor | None = None  # 0/1: the tokens the policy term acts on (top-entropy selection)
+
+
+@dataclass
 class UpdateStats:
     skipped: bool = False  # a NaN or inf advantage, loss or gradient norm
     sums: dict = field(default_factory=dict)  # loss statistics summed over tokens
@@ -132,3 +146,9 @@ class UpdateStats:
     losses: list = field(default_factory=list)  # one per optimizer step
     grad_norms: list = field(default_factory=list)
     value_losses: list = field(default_factory=list)
+
+    def add(self, values: dict, mask: torch.Tensor) -> None:
+        """Sum each statistic [m, Tc] over the tokens of `mask` [m, Tc]."""
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float((v * mask).sum())
+        self.tokens += float(mask.sum())

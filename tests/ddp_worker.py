@@ -8,10 +8,10 @@ import torch
 def update_on(state, rollout):
     """The sampler's choice of groups from `rollout` (this rank's share of a generation batch), then
     prepare and update, as the loop runs them.  -> update stats, kept groups over all ranks"""
-    from rlkit.loop import learn
+    from rlkit.loop import prepare_and_update
 
     kept, metrics = state.parts.sampler.sample(lambda rows: rollout)
-    return learn(state, kept)[1], metrics.get("sampler/kept_groups")
+    return prepare_and_update(state, kept)[1], metrics.get("sampler/kept_groups")
 
 
 def snapshot(state, stats) -> dict:

@@ -11,7 +11,7 @@ import helpers
 from conftest import make_cfg
 from helpers import write_plugin
 from rlkit.config import ConfigError
-from rlkit.loop import collect, learn
+from rlkit.loop import collect, prepare_and_update
 from rlkit.session import run
 from rlkit.setup import setup, validate
 
@@ -28,14 +28,14 @@ def test_an_engine_with_its_own_numbers_gets_old_logprobs_recomputed_and_weights
     )
     state, rollout = prepared(cfg, tmp_path / "a")
     before, synced = helpers.RemoteLikeEngine.syncs, state.parts.engine.model.model.embed_tokens.weight.clone()
-    batch, _ = learn(state, rollout)
+    batch, _ = prepare_and_update(state, rollout)
     assert batch.old_logp is not None and batch.old_logp.shape == batch.adv.shape
     assert helpers.RemoteLikeEngine.syncs == before + 1
     assert torch.equal(state.parts.engine.model.model.embed_tokens.weight, state.parts.policy.model.embed_tokens.weight)
     assert not torch.equal(synced, state.parts.policy.model.embed_tokens.weight)  # the update moved the weights
     own, own_rollout = prepared(make_cfg(["loss.beta=0"], cache_dir=warm_cache), tmp_path / "b")
     assert (
-        learn(own, own_rollout)[0].old_logp is None
+        prepare_and_update(own, own_rollout)[0].old_logp is None
     )  # the trainer's own engine: old log-probs come free from the update
 
 

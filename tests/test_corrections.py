@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from rlkit.corrections import NoCorrection, OffPolicySequenceMask, SequenceIS, TokenMIS, TokenTIS
 from rlkit.losses import CISPO, GMPO, GSPO, SAPO, VESPO, KLCov, PPOClip
+from rlkit.types import LossInput
 
 # pi_old / mu per token: row 0 = [3, 0.6, 1], row 1 = [0.2, 1.5, (padding)]
 RHO = torch.tensor([[3.0, 0.6, 1.0], [0.2, 1.5, 1.0]], dtype=torch.float64)
@@ -109,7 +110,7 @@ def test_with_the_trainers_own_numbers_every_correction_leaves_the_gradient_unch
             for use in (False, True):
                 logp = logp0.clone().requires_grad_(True)
                 w = correction(logp.detach(), old, old, adv, mask)[0] if use else None
-                L, _ = loss(logp, old, adv, mask, ref if loss.beta else None, None, w)
+                L, _ = loss(LossInput(logp, old, adv, mask, ref if loss.beta else None, is_weight=w))
                 (L * mask).sum().backward()
                 grads.append(logp.grad)
             assert torch.equal(grads[0], grads[1]), (type(loss).__name__, type(correction).__name__)

@@ -14,6 +14,7 @@ from trl import GRPOTrainer
 from rlkit.aggregators import SeqMeanTokenMean, SeqMeanTokenSum, TokenMean
 from rlkit.corrections import OffPolicySequenceMask, SequenceIS, TokenMIS, TokenTIS
 from rlkit.losses import GMPO, GSPO, VESPO, ClipCov, KLCov, PPOClip
+from rlkit.types import LossInput
 
 D = torch.float64
 
@@ -25,7 +26,7 @@ def t(x):
 def grad_of(loss_fn, logp0, old, adv, mask, weights, **kw):
     """(per-token loss, d sum(L * weights) / d logp)."""
     logp = logp0.clone().requires_grad_(True)
-    L, stats = loss_fn(logp, old, adv, mask, **kw)
+    L, stats = loss_fn(LossInput(logp, old, adv, mask, **kw))
     (L * weights).sum().backward()
     return L.detach(), logp.grad, stats
 
@@ -82,9 +83,9 @@ def test_kl_cov_penalises_the_token_of_largest_covariance():
 
 def test_the_importance_weighted_kl_multiplies_the_kl_by_the_ratio():
     # log pi = -1, old = -1.2 (r = e^0.2), ref = -1.5: k3 = e^-0.5 + 0.5 - 1 = 0.10653; weighted: 0.10653 e^0.2
-    args = t([[-1.0]]), t([[-1.2]]), t([[0.0]]), t([[1.0]])
-    plain, _ = PPOClip(beta=1.0)(*args, ref_logp=t([[-1.5]]))
-    weighted, _ = PPOClip(beta=1.0, kl_is_weighted=True)(*args, ref_logp=t([[-1.5]]))
+    x = LossInput(t([[-1.0]]), t([[-1.2]]), t([[0.0]]), t([[1.0]]), ref_logp=t([[-1.5]]))
+    plain, _ = PPOClip(beta=1.0)(x)
+    weighted, _ = PPOClip(beta=1.0, kl_is_weighted=True)(x)
     k3 = math.exp(-0.5) + 0.5 - 1
     assert math.isclose(float(plain), k3, rel_tol=1e-9) and math.isclose(
         float(weighted), k3 * math.exp(0.2), rel_tol=1e-9
@@ -212,7 +213,7 @@ def rlkit_loss(s, loss_fn, aggregator, correction=None, select=None, entropy=Non
     logp = s.logp.clone().requires_grad_(True)
     adv = s.adv.expand_as(s.mask)
     w = correction(logp.detach(), s.old, s.behaviour, adv, s.mask)[0] if correction else None
-    L, _ = loss_fn(logp, s.old, adv, s.mask, s.ref if loss_fn.beta else None, entropy, w, select)
+    L, _ = loss_fn(LossInput(logp, s.old, adv, s.mask, s.ref if loss_fn.beta else None, entropy, w, select))
     total = (L * aggregator.token_weights(s.mask)).sum()
     total.backward()
     return total.detach(), logp.grad

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from helpers import make_rollout
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.losses import CISPO, GSPO, SAPO, PPOClip, clipped_surrogate, kl_estimate
+from rlkit.types import LossInput
 
 
 def grad_at(ratio: float, adv: float, eps_low=0.2, eps_high=0.2, dual_clip=None) -> float:
@@ -77,8 +78,8 @@ def test_policy_loss_adds_kl_only_in_loss_placement():
     logp, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
     adv = torch.zeros(1, 1)
     mask = torch.ones(1, 1)
-    in_loss, _ = PPOClip(beta=0.1)(logp, logp, adv, mask, ref)
-    in_reward, info = PPOClip(beta=0.1, kl_placement="reward")(logp, logp, adv, mask, ref)
+    in_loss, _ = PPOClip(beta=0.1)(LossInput(logp, logp, adv, mask, ref))
+    in_reward, info = PPOClip(beta=0.1, kl_placement="reward")(LossInput(logp, logp, adv, mask, ref))
     assert float(in_loss) == pytest.approx(0.1 * (0.5 + math.log(2) - 1))
     assert float(in_reward) == 0.0 and float(info["kl"]) > 0
 
@@ -91,7 +92,7 @@ def grads(loss_fn, log_ratio, adv, mask, weights=None):
     """Loss and d(sum(L * weights))/d logp at logp = old_logp + log_ratio (old_logp = 0)."""
     logp = torch.tensor(log_ratio, dtype=torch.float64, requires_grad=True)
     adv, mask = torch.tensor(adv, dtype=torch.float64), torch.tensor(mask, dtype=torch.float64)
-    L, stats = loss_fn(logp, torch.zeros_like(logp), adv, mask)
+    L, stats = loss_fn(LossInput(logp, torch.zeros_like(logp), adv, mask))
     (L * (mask if weights is None else weights)).sum().backward()
     return L.detach(), logp.grad, stats
 
@@ -170,7 +171,7 @@ def test_kl_in_the_reward_is_beta_times_the_estimate_and_stays_out_of_the_loss()
     loss = SAPO(beta=0.5, kl_estimator="k1", kl_placement="reward")
     old, ref = torch.tensor([[0.0, -1.0]]), torch.tensor([[-1.0, -1.0]])
     assert loss.kl_in_reward and loss.kl_penalty(old, ref).tolist() == [[0.5, 0.0]]
-    L, stats = loss(old, old, torch.zeros(1, 2), torch.ones(1, 2), ref)
+    L, stats = loss(LossInput(old, old, torch.zeros(1, 2), torch.ones(1, 2), ref))
     assert L.tolist() == [[0.0, 0.0]] and stats["kl"].tolist() == [[1.0, 0.0]]
     assert not SAPO(beta=0.0, kl_placement="reward").kl_in_reward  # beta 0: no reference at all
 

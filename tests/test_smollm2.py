@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from conftest import make_cfg
-from rlkit.batching import batched, micro_batches
+from rlkit.batching import micro_batches, over_micro_batches
 from rlkit.config import build
 from rlkit.engines.kv_cache import generate
 from rlkit.logprobs import rollout_logprobs, token_logprobs
@@ -80,7 +80,7 @@ def test_training_logprobs_equal_a_plain_unbatched_forward(smol, prompts):
         shared, _ = token_logprobs(policy, *args, share="always")
         split = torch.cat([token_logprobs(policy, *(a[i : i + 1] for a in args))[0] for i in range(len(prompts))])
         rollout = Rollout.from_generation(out, 1)  # the update's path: micro-batches of <= 2 rows, by length
-        micro = batched(
+        micro = over_micro_batches(
             lambda r: rollout_logprobs(policy, r)[0], rollout, micro_batches(rollout, torch.arange(3), 2, 0)
         )
         assert len(micro_batches(rollout, torch.arange(3), 2, 0)) == 2
