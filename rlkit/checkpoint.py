@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from rlkit import parallel
+from rlkit.atomic import sha256, staged
 from rlkit.components import ConfigError
 from rlkit.config import resolved
-from rlkit.files import sha256, staged
 from rlkit.guards import NonFiniteError, all_finite
 from rlkit.state import Progress, Run
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from rlkit.atomic import sha256, staged
 from rlkit.components import ConfigError
-from rlkit.files import sha256, staged
 
 DONE = "rlkit_gguf.json"  # written last into a converted folder: its source file and checksum
 

@@ -1,9 +1,9 @@
 """The Llama-family fast path, the one module that reaches into transformers' model internals
 (llama, qwen2, qwen3, mistral without a sliding window): which models it applies to and their
-parts (`lean_supported`, `causal_parts`), the layer pieces run outside the model's own forward
+parts (`llama_family`, `causal_parts`), the layer pieces run outside the model's own forward
 (normed projections with the model's rotary function, attention, residual adds), the training
 forward with each distinct prompt computed once (`shared_hidden`), and the decoder with
-pre-allocated KV buffers and fused projections (`Lean`). Every other model goes through its own
+pre-allocated KV buffers and fused projections (`LlamaDecoder`). Every other model goes through its own
 forward (`rlkit.logprobs.trimmed_inputs`, `rlkit.engines.decoders.HFForward`)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def lean_supported(model) -> bool:
+def llama_family(model) -> bool:
     m = base_model(model)
     cfg = m.config
     if getattr(cfg, "model_type", None) not in LEAN_TYPES or not hasattr(m, "lm_head"):
@@ -59,7 +59,7 @@ def causal_parts(model):
     context = nullcontext()
     if isinstance(model, AdaptersOff):
         model, context = model.policy[0], model.policy[0].disable_adapter()
-    if not lean_supported(model) or is_sharded(model):  # a sharded model runs through its own forward
+    if not llama_family(model) or is_sharded(model):  # a sharded model runs through its own forward
         return None
     m = base_model(model)
     return m.model, m.lm_head, context
@@ -154,7 +154,7 @@ def fused(*linears):
     return lambda x: torch.cat([m(x) for m in linears], -1)
 
 
-class Lean:
+class LlamaDecoder:
     """Llama-family decoding with pre-allocated KV buffers [n, kv_heads, Tmax, head_dim] per layer."""
 
     def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens: int):

@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from rlkit import checkpoint, files, parallel
+from rlkit import atomic, checkpoint, parallel
 from rlkit.guards import NonFiniteError
 from rlkit.hardware import check_portable
 from rlkit.locks import RunDirLock, check_writable
@@ -86,7 +86,7 @@ def write_summary(run: Run) -> dict:
         "steps": steps,
         "wall_s": round(run.wall_s(), 1),
     }
-    files.write_text(path, json.dumps(summary, indent=1))
+    atomic.write_text(path, json.dumps(summary, indent=1))
     print(
         f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
         f"in {summary['wall_s']:.0f}s over {steps} steps ({rt.run_dir})",

@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 from omegaconf import DictConfig
 
-from rlkit import checkpoint, files, parallel
+from rlkit import atomic, checkpoint, parallel
 from rlkit.components import (
     AdvantageEstimator,
     Aggregator,
@@ -206,7 +206,7 @@ def start_logging(run: Run, c: Components, run_info: dict, warm: dict):
         "parallel": type(c.parallel).__name__,
         "hardware": hardware(run.runtime.device),
     }
-    files.write_text(Path(run_dir, "run.json"), json.dumps(info, indent=1))
+    atomic.write_text(Path(run_dir, "run.json"), json.dumps(info, indent=1))
     return logger
 
 

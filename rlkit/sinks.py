@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlkit import files
+from rlkit import atomic
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -42,7 +42,7 @@ def _truncate(path: Path, step: int) -> None:
     during the rewrite leaves either the old lines or the kept ones."""
     if path.exists():
         keep = [r for r in read_jsonl(path) if r.get("step", step + 1) <= step]
-        files.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+        atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 class JsonlLogger:

@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit import files, parallel
+from rlkit import atomic, parallel
 from rlkit.checkpoint import HYDRA_FILES
 from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE
@@ -140,10 +140,10 @@ def app(cfg: DictConfig) -> dict | None:
         print(f"rlkit: {e}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
     except OSError as e:
-        if not files.storage_failed(e):
+        if not atomic.storage_failed(e):
             raise
         print(
-            f"rlkit: error: {files.describe_write(e)}; earlier checkpoints are intact: free space and rerun the same "
+            f"rlkit: error: {atomic.describe_write(e)}; earlier checkpoints are intact: free space and rerun the same "
             "command to resume",
             file=sys.stderr,
         )

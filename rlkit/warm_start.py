@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 from rlkit import checkpoint
+from rlkit.atomic import staged
 from rlkit.engines.kv_cache import encode_prompts
-from rlkit.files import staged
 from rlkit.hardware import kernels
 from rlkit.locks import file_lock
 from rlkit.logprobs import token_logprobs

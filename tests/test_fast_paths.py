@@ -1,4 +1,4 @@
-"""The fast paths give the plain computation's numbers: the lean decoder's greedy tokens are
+"""The fast paths give the plain computation's numbers: the Llama decoder's greedy tokens are
 `model.generate`'s, sampling draws from the softmax, packed and trimmed log-probs and their
 gradients equal the padded ones, length-sorted micro-batches cover every row once."""
 
@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from rlkit.batching import micro_batches
 from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import _sample, encode_prompts, generate
-from rlkit.llama import Lean, causal_parts, positions
+from rlkit.llama import LlamaDecoder, causal_parts, positions
 from rlkit.logprobs import pack, token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
 from rlkit.tasks.arithmetic import ALPHABET
@@ -28,7 +28,7 @@ def tiny_qwen2():
 
 
 def other_models(tok):
-    """A Llama and a Qwen3 (lean decoder) and a GPT-2 (the model's own forward), random weights."""
+    """A Llama and a Qwen3 (Llama decoder) and a GPT-2 (the model's own forward), random weights."""
     common = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     llama = dict(
         hidden_size=32,
@@ -63,7 +63,7 @@ def reference_greedy(model, tok, prompts, n):
 def test_greedy_generation_equals_model_generate_for_lean_and_generic_decoders():
     model, tok = tiny_qwen2()
     models = {"qwen2": model, **other_models(tok)}
-    assert [isinstance(decoder(m, *encode_prompts(tok, PROMPTS[:1]), 4), Lean) for m in models.values()] == [
+    assert [isinstance(decoder(m, *encode_prompts(tok, PROMPTS[:1]), 4), LlamaDecoder) for m in models.values()] == [
         True,
         True,
         True,
@@ -71,22 +71,22 @@ def test_greedy_generation_equals_model_generate_for_lean_and_generic_decoders()
     ]
     for name, m in models.items():
         want = reference_greedy(m, tok, PROMPTS, 12)
-        for lean in (True, False):
-            g = generate(m, tok, PROMPTS, 12, temperature=0, lean=lean)
+        for fast in (True, False):
+            g = generate(m, tok, PROMPTS, 12, temperature=0, fast=fast)
             got = g.completion_ids.masked_fill(g.completion_mask == 0, tok.pad_token_id)  # [N, T]
             assert got.shape[1] == want.shape[1], name
             # model.generate pads finished rows with the pad id as well
-            assert torch.equal(got, want.masked_fill(got == tok.pad_token_id, tok.pad_token_id)), (name, lean)
+            assert torch.equal(got, want.masked_fill(got == tok.pad_token_id, tok.pad_token_id)), (name, fast)
 
 
-def test_lean_and_generic_decoders_sample_the_same_tokens_from_the_same_seed():
+def test_llama_and_generic_decoders_sample_the_same_tokens_from_the_same_seed():
     """Same maths, same random stream: the two decoders draw identical samples, rows leaving
     the batch included."""
     model, tok = tiny_qwen2()
     runs = []
-    for lean in (True, False):
+    for fast in (True, False):
         torch.manual_seed(3)
-        runs.append(generate(model, tok, PROMPTS, 16, temperature=1.0, lean=lean))
+        runs.append(generate(model, tok, PROMPTS, 16, temperature=1.0, fast=fast))
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.equal(runs[0].completion_mask, runs[1].completion_mask)
     assert runs[0].completion_mask.sum(-1).unique().numel() > 2  # rows finished at different steps and left

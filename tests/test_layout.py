@@ -85,3 +85,13 @@ def test_no_function_is_longer_than_50_lines():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50
     ]
     assert long == []
+
+
+def test_the_readme_layout_table_names_every_module():
+    """Each top-level module and package of rlkit is named in the README's Layout table."""
+    readme = (ROOT.parent / "README.md").read_text()
+    table = readme[readme.index("## Layout") :]
+    names = [p.name for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__")]
+    names += [f"rlkit/{p.name}/" for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name != "conf"]
+    assert len(names) > 30
+    assert [n for n in names if f"`{n}`" not in table and f"`rlkit/{n}`" not in table] == []

@@ -111,13 +111,13 @@ def test_a_model_it_cannot_apply_to_runs_unshared_and_says_so_once(model, capsys
     assert capsys.readouterr().err.count("GPT2LMHeadModel runs every row's prompt in full") == 1
 
 
-@pytest.mark.parametrize("lean", [True, False])
-def test_a_prompt_given_several_times_is_prefilled_once_with_the_same_completions(model, lean):
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_prompt_given_several_times_is_prefilled_once_with_the_same_completions(model, fast):
     """Greedy completions of each prompt repeated 3 times (a group's prompt prefilled once, its
     cache copied to the rows) equal those of the prompts given once."""
     policy, tok = model
-    once = generate(policy, tok, PROMPTS, 12, temperature=0, lean=lean)
-    grouped = generate(policy, tok, [p for p in PROMPTS for _ in range(3)], 12, temperature=0, lean=lean)
+    once = generate(policy, tok, PROMPTS, 12, temperature=0, fast=fast)
+    grouped = generate(policy, tok, [p for p in PROMPTS for _ in range(3)], 12, temperature=0, fast=fast)
     T = once.completion_ids.shape[1]
     assert torch.equal(grouped.completion_ids[:, :T], once.completion_ids.repeat_interleave(3, 0))
     assert torch.equal(grouped.prompt_ids, once.prompt_ids.repeat_interleave(3, 0))

@@ -9,7 +9,7 @@ import json
 import zlib
 from pathlib import Path
 
-from rlkit import files
+from rlkit import atomic
 from rlkit.analysis import stats
 from rlkit.analysis.study import Stopped, StudySpec, changes, declared, every_arm, overrides, with_defaults
 from rlkit.analysis.verdict import per_run, runs_by_arm
@@ -38,7 +38,7 @@ def record(spec: StudySpec, results: Path, arm: str, seed: int, run_dir: Path, e
     }
     path = record_path(results, arm, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with files.staged(path, path.name) as tmp:
+    with atomic.staged(path, path.name) as tmp:
         tmp.write_bytes(gzip.compress((json.dumps(head) + "\n" + body).encode(), mtime=0))
 
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlkit import files
+from rlkit import atomic
 from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
 from rlkit.analysis.study import Stopped, StudySpec, every_arm, overrides
 from rlkit.exits import EXIT_PREEMPTED
@@ -140,7 +140,7 @@ def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: 
     check_logged(spec, read_records(results))
     plan_file = results / "plan.json"
     if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
-        files.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
+        atomic.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
     fixed = read_plan(plan_file)
     print(
         f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap {fixed['cap']})",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rlkit import files
+from rlkit import atomic
 from rlkit.analysis import stats
 from rlkit.analysis.compare import fmt, plot
 from rlkit.analysis.runs import aggregate, aggregate_name, from_rows
@@ -333,5 +333,5 @@ def write_report(spec, name: str, path: Path, results: Path, records: list, plan
     section = report(spec, name, results, records, plan)
     readme = path.parent / "README.md"
     head = readme.read_text().split(MARKER)[0].rstrip() if readme.exists() else f"# Study: {name}"
-    files.write_text(readme, head + "\n\n" + section)
+    atomic.write_text(readme, head + "\n\n" + section)
     return section

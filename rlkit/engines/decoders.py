@@ -1,6 +1,6 @@
 """Decoders: prompt prefill and one-token steps over a KV cache, with rows that can leave the batch.
 
-`rlkit.llama.Lean` runs Llama-family decoder stacks (llama, qwen2, qwen3, mistral without a
+`rlkit.llama.LlamaDecoder` runs Llama-family decoder stacks (llama, qwen2, qwen3, mistral without a
 sliding window) through their own modules (norms, projections, MLPs, rotary table) but with its
 own attention glue: one pre-allocated KV buffer per layer, a pre-built padding mask that is
 sliced rather than rebuilt, rotary angles looked up from a table, fused projections. That is
@@ -16,11 +16,11 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from rlkit.llama import Lean, lean_supported, positions
+from rlkit.llama import LlamaDecoder, llama_family, positions
 
 
 def decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
-    cls = Lean if lean_supported(model) else HFForward
+    cls = LlamaDecoder if llama_family(model) else HFForward
     return cls(model, prompt_ids, prompt_mask, max_new_tokens)
 
 

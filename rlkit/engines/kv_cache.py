@@ -1,5 +1,5 @@
 """The built-in engine: the trainer's own model, sampled with a batched KV-cache loop. Prompt
-encoding, sampling (temperature, top-p) and the decode loop live here; the decoders (lean
+encoding, sampling (temperature, top-p) and the decode loop live here; the decoders (the
 Llama-family path, or the model's own forward) in `rlkit.engines.decoders`."""
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
     return (probs / torch.empty_like(probs).exponential_().clamp_(min=1e-30)).argmax(-1)  # [N]
 
 
-def prefill(model, tokenizer, prompts: list[str], max_new_tokens: int, lean: bool = True):
+def prefill(model, tokenizer, prompts: list[str], max_new_tokens: int, fast: bool = True):
     """The decoder after its prefill: each distinct prompt is prefilled once and its KV cache copied
     to its rows.  -> decoder, logits [N, V], prompt_ids [N, Tp], prompt_mask [N, Tp]"""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts))
     prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(tokenizer, distinct))  # [U, Tp]
-    dec = (decoder if lean else HFForward)(model, prompt_ids, prompt_mask, max_new_tokens)
+    dec = (decoder if fast else HFForward)(model, prompt_ids, prompt_mask, max_new_tokens)
     logits = dec.prefill()  # [U, V]
     if len(distinct) < len(prompts):
         index = {p: i for i, p in enumerate(distinct)}
@@ -86,19 +86,19 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     min_new_tokens: int = 0,
-    lean: bool = True,
+    fast: bool = True,
     logprobs: bool = False,
 ) -> Generation:
     """Sample one completion per prompt with a KV cache (a prompt given several times is prefilled
     once and its cache copied to each of its rows); each row stops at its EOS (never before
     `min_new_tokens`) and leaves the batch soon after (once an eighth of the rows present have
-    finished). temperature 0 is greedy. `lean=False` forces the model's own forward
-    (`rlkit.engines.decoders.HFForward`) for architectures the lean decoder supports. `logprobs`:
+    finished). temperature 0 is greedy. `fast=False` forces the model's own forward
+    (`rlkit.engines.decoders.HFForward`) for architectures the Llama decoder supports. `logprobs`:
     also return each sampled token's log-probability under softmax(logits / temperature), the
     distribution the trainer's log-probs measure (top-p not applied)."""
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, lean)  # [N, V], [N, Tp]
+    dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, fast)  # [N, V], [N, Tp]
     N = prompt_ids.shape[0]
     tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
     alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]

@@ -3,7 +3,7 @@ each process holds 1/K of the policy's and the reference's parameters, gradients
 state, so a model that does not fit on one device trains on K. Each decoder layer (the model's
 `_no_split_modules`) and the whole model are sharded; a forward gathers a layer's weights and
 frees them after, and the backward reduces each layer's gradients across processes. Generation
-gathers the whole policy once per call (`full_weights`), so the lean decoder runs on full weights.
+gathers the whole policy once per call (`full_weights`), so the Llama decoder runs on full weights.
 Checkpoints hold full (unsharded) state dicts, written by rank 0 and loaded by every rank."""
 
 from __future__ import annotations
