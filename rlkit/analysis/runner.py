@@ -104,20 +104,8 @@ def run_seeds(
             f"rlkit-study: {name}: {arm} seed {seed}: exit {code} in {time.time() - t0:.0f}s ({run_dir})",
             file=sys.stderr,
         )
-        if code in (0, 3) and (run_dir / "metrics.jsonl").exists():  # 3: stopped by non-finite updates; kept, named
-            record(spec, results, arm, seed, run_dir, code)
-        elif code == EXIT_PREEMPTED or (signals.received and code < 0):  # < 0: hit before it could checkpoint
-            stop = stop or Stopped(
-                EXIT_PREEMPTED,
-                f"{name}: stopped by {signals.received or 'a signal'} during "
-                f"{arm} seed {seed}; rerun the same command to resume",
-            )
-        else:
-            stop = stop or Stopped(
-                code if code > 0 else 1,
-                f"{name}: {arm} seed {seed} failed (exit {code}); see "
-                f"{run_dir}.log. Fix the cause and rerun the same command: recorded runs are kept",
-            )
+        why = outcome(spec, name, results, signals, arm, seed, run_dir, code)  # records a finished run
+        stop = stop or why
     if stop is not None:
         raise stop
     if todo:
@@ -126,6 +114,27 @@ def run_seeds(
             EXIT_PREEMPTED,
             f"{name}: stopped by {signals.received} before {arm} seed {seed}; rerun the same command to resume",
         )
+
+
+def outcome(
+    spec: StudySpec, name: str, results: Path, signals: Signals, arm: str, seed: int, run_dir: Path, code: int
+) -> Stopped | None:
+    """Record a finished run (exit 0, or 3: stopped by non-finite updates, kept and named); else why
+    the study must stop."""
+    if code in (0, 3) and (run_dir / "metrics.jsonl").exists():
+        record(spec, results, arm, seed, run_dir, code)
+        return None
+    if code == EXIT_PREEMPTED or (signals.received and code < 0):  # < 0: hit before it could checkpoint
+        return Stopped(
+            EXIT_PREEMPTED,
+            f"{name}: stopped by {signals.received or 'a signal'} during "
+            f"{arm} seed {seed}; rerun the same command to resume",
+        )
+    return Stopped(
+        code if code > 0 else 1,
+        f"{name}: {arm} seed {seed} failed (exit {code}); see "
+        f"{run_dir}.log. Fix the cause and rerun the same command: recorded runs are kept",
+    )
 
 
 def run_all(spec: StudySpec, name: str, runs: Path, results: Path, jobs: int = 1) -> None:

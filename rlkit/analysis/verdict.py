@@ -50,7 +50,6 @@ def decide(
     spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped: bool, learned: bool | None = None
 ) -> tuple[str, str]:
     """The verdict and its reason for one treatment's primary difference d (treatment - baseline)."""
-    delta, direction = spec.primary.smallest_effect, spec.primary.direction
     if learned is False:
         return (
             "not tested",
@@ -60,40 +59,58 @@ def decide(
         return "not tested", "the engagement check failed: the treatment did not act enough to test the claim"
     if d.n < 2:
         return "inconclusive", f"only {d.n} paired runs"
-    lo, hi = (d.diff, d.diff) if d.zero_variance else d.interval
-    tost = d.tost(delta)
-    if direction == "equal":
-        if p_adj < spec.alpha:
-            return (
-                "equivalent",
-                f"the difference lies within ±{delta:g} (TOST adjusted p = {p_adj:.2g}): the claim holds",
-            )
-        if lo > delta or hi < -delta:
-            return "refuted", f"the interval [{lo:+.3f}, {hi:+.3f}] lies outside ±{delta:g}"
-        need = stats.seeds_for_equivalence(delta, d.sd, spec.power, spec.alpha)
-    else:
-        sign = 1 if direction == "higher" else -1
-        ohi = max(sign * lo, sign * hi)  # the interval's far end in the claimed direction
-        if sign * d.diff > 0 and (p_adj < spec.alpha or d.zero_variance):
-            return "reproduced", (
-                f"the difference is {direction} than 0 "
-                f"({'in every pair' if d.zero_variance else f'adjusted p = {p_adj:.2g}'})"
-            )
-        if tost < spec.alpha:
-            return (
-                "equivalent",
-                f"no effect as large as {delta:g} either way (TOST p = {tost:.2g}): the claim fails here",
-            )
-        if ohi < delta:
-            return (
-                "refuted",
-                f"the interval [{lo:+.3f}, {hi:+.3f}] excludes the claimed effect of {delta:g} {direction}",
-            )
-        need = stats.seeds_for_power(delta, d.sd, True, spec.power, spec.alpha)
+    judge = judge_equality if spec.primary.direction == "equal" else judge_direction
+    verdict, need = judge(spec, d, p_adj)
+    if verdict is not None:
+        return verdict
     cost = f"; about {need} seeds per arm would decide it at the observed spread" if need else ""
     return "inconclusive", (
         f"undecided at the seed cap ({spec.seeds.cap})" if capped else f"undecided at the planned {d.n} seeds"
     ) + cost
+
+
+def bounds(d: stats.Difference) -> tuple[float, float]:
+    """The difference's interval (the difference itself when every pair differs by the same)."""
+    return (d.diff, d.diff) if d.zero_variance else d.interval
+
+
+def judge_equality(spec, d: stats.Difference, p_adj: float) -> tuple[tuple[str, str] | None, int | None]:
+    """A claimed equality: equivalent or refuted with the reason, else None and the seeds per arm
+    that would decide it."""
+    delta, alpha = spec.primary.smallest_effect, spec.alpha
+    lo, hi = bounds(d)
+    if p_adj < alpha:
+        return (
+            "equivalent",
+            f"the difference lies within ±{delta:g} (TOST adjusted p = {p_adj:.2g}): the claim holds",
+        ), None
+    if lo > delta or hi < -delta:
+        return ("refuted", f"the interval [{lo:+.3f}, {hi:+.3f}] lies outside ±{delta:g}"), None
+    return None, stats.seeds_for_equivalence(delta, d.sd, spec.power, alpha)
+
+
+def judge_direction(spec, d: stats.Difference, p_adj: float) -> tuple[tuple[str, str] | None, int | None]:
+    """A claimed direction (higher or lower): reproduced, equivalent (no effect as large as the
+    smallest either way) or refuted with the reason, else None and the seeds per arm that would
+    decide it."""
+    delta, direction, alpha = spec.primary.smallest_effect, spec.primary.direction, spec.alpha
+    lo, hi = bounds(d)
+    sign = 1 if direction == "higher" else -1
+    if sign * d.diff > 0 and (p_adj < alpha or d.zero_variance):
+        how = "in every pair" if d.zero_variance else f"adjusted p = {p_adj:.2g}"
+        return ("reproduced", f"the difference is {direction} than 0 ({how})"), None
+    tost = d.tost(delta)
+    if tost < alpha:
+        return (
+            "equivalent",
+            f"no effect as large as {delta:g} either way (TOST p = {tost:.2g}): the claim fails here",
+        ), None
+    if max(sign * lo, sign * hi) < delta:  # the interval's far end in the claimed direction
+        return (
+            "refuted",
+            f"the interval [{lo:+.3f}, {hi:+.3f}] excludes the claimed effect of {delta:g} {direction}",
+        ), None
+    return None, stats.seeds_for_power(delta, d.sd, True, spec.power, alpha)
 
 
 def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]]:
@@ -154,20 +171,7 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
     verdicts = {
         arm: decide(spec, diffs[arm], p, engaged.get(arm), capped, learned) for arm, p in zip(treatments, adjusted)
     }
-    secondary = []
-    for m in spec.secondary:
-        vals = per_run(arms, m)
-        for arm in treatments:
-            a, b = pair(vals, spec.baseline, arm)
-            secondary.append(
-                (
-                    f"{aggregate_name(m.aggregate)} {m.metric}: {arm} - {spec.baseline}",
-                    stats.paired(a, b, spec.alpha),
-                    stats.robust(a, b, m.lower, spec.alpha) if robust else None,
-                    arm,
-                    m.lower,
-                )
-            )
+    secondary = secondary_differences(spec, arms, treatments, robust)
     return {
         "treatments": treatments,
         "values": values,
@@ -183,6 +187,27 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
         "left_out": left_out,
         "arms": arms,
     }
+
+
+def secondary_differences(spec, arms: dict, treatments: list[str], robust: bool) -> list[tuple]:
+    """Each secondary metric's paired difference (and, when `robust`, its bootstrap statistics) for
+    every treatment: (label, difference, robust or None, arm, lower is better)."""
+    lines = []
+    for m in spec.secondary:
+        vals = per_run(arms, m)
+        for arm in treatments:
+            a, b = pair(vals, spec.baseline, arm)
+            label = f"{aggregate_name(m.aggregate)} {m.metric}: {arm} - {spec.baseline}"
+            lines.append(
+                (
+                    label,
+                    stats.paired(a, b, spec.alpha),
+                    stats.robust(a, b, m.lower, spec.alpha) if robust else None,
+                    arm,
+                    m.lower,
+                )
+            )
+    return lines
 
 
 def fmt_ci(values: list[float]) -> str:

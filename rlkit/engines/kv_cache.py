@@ -96,34 +96,56 @@ def generate(
     (`rlkit.engines.decoders.HFForward`) for architectures the Llama decoder supports. `logprobs`:
     also return each sampled token's log-probability under softmax(logits / temperature), the
     distribution the trainer's log-probs measure (top-p not applied)."""
-    device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, fast)  # [N, V], [N, Tp]
-    N = prompt_ids.shape[0]
-    tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
-    alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]
-    lp = torch.zeros(N, max_new_tokens, device=device) if logprobs else None  # [N, Tmax]
-    done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
-    rows = torch.arange(N, device=device)  # [n] the original rows still in the batch
-    fin = torch.zeros_like(done)  # [n] finished rows still in the batch
-    T = 0
+    out = Sampled(prompt_ids, max_new_tokens, pad, logprobs)
+    rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)  # [n] the original rows still in the batch
+    fin = torch.zeros_like(rows, dtype=torch.bool)  # [n] finished rows still in the batch
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
         tok = torch.where(fin, pad, _sample(logits, temperature, top_p))  # [n]
-        tokens[rows, t], alive[rows, t] = tok, (~fin).long()
-        if lp is not None:
-            picked = torch.log_softmax(logits / temperature, -1).gather(-1, tok[:, None])[:, 0]  # [n]
-            lp[rows, t] = torch.where(fin, 0.0, picked)
-        fin, T = fin | (tok == eos), t + 1
+        out.record(t, rows, tok, fin, logits, temperature)
+        fin = fin | (tok == eos)
         n_fin = int(fin.sum())
         if n_fin == len(rows):
             break
         if n_fin and n_fin * 8 >= len(rows):  # drop the finished rows from the batch
-            done[rows[fin]] = True
+            out.done[rows[fin]] = True
             keep = (~fin).nonzero().squeeze(-1)  # [n']
             dec.keep(keep)
             rows, tok, fin = rows[keep], tok[keep], fin[keep]
         logits = dec.step(tok)  # [n, V]
-    done[rows[fin]] = True
-    return Generation(prompt_ids, prompt_mask, tokens[:, :T], alive[:, :T], ~done, None if lp is None else lp[:, :T])
+    out.done[rows[fin]] = True
+    return out.generation(prompt_ids, prompt_mask)
+
+
+class Sampled:
+    """What the decode loop has sampled so far, in the original row order: tokens, which of them
+    count (before and at each row's EOS), their log-probs when asked, and which rows finished."""
+
+    def __init__(self, prompt_ids: torch.Tensor, max_new_tokens: int, pad: int, logprobs: bool):
+        N, device = prompt_ids.shape[0], prompt_ids.device
+        self.tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
+        self.alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]
+        self.lp = torch.zeros(N, max_new_tokens, device=device) if logprobs else None  # [N, Tmax]
+        self.done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
+        self.T = 0  # decode steps taken
+
+    def record(self, t: int, rows, tok, fin, logits: torch.Tensor, temperature: float) -> None:
+        """Step t's tokens `tok` [n] of the batch's `rows` [n]; `fin` [n]: rows that had finished."""
+        self.tokens[rows, t], self.alive[rows, t], self.T = tok, (~fin).long(), t + 1
+        if self.lp is not None:
+            picked = torch.log_softmax(logits / temperature, -1).gather(-1, tok[:, None])[:, 0]  # [n]
+            self.lp[rows, t] = torch.where(fin, 0.0, picked)
+
+    def generation(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Generation:
+        T, lp = self.T, self.lp
+        return Generation(
+            prompt_ids,
+            prompt_mask,
+            self.tokens[:, :T],
+            self.alive[:, :T],
+            ~self.done,
+            None if lp is None else lp[:, :T],
+        )

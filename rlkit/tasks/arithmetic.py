@@ -22,6 +22,29 @@ def _parse_int(text: str) -> int | None:
     return int(text) if text.isdigit() and len(text) <= 6 else None
 
 
+def draw_sums(rng, n_train: int, n_eval: int, min_terms: int, max_terms: int, max_operand: int) -> tuple[list, list]:
+    """`n_eval` distinct held-out sums, then `n_train` training sums (repeats allowed) none of which
+    is held out.  -> (train rows, eval rows)"""
+
+    def draw() -> dict:
+        terms = [rng.randint(0, max_operand) for _ in range(rng.randint(min_terms, max_terms))]
+        return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)), "difficulty": len(terms)}
+
+    space = sum((max_operand + 1) ** k for k in range(min_terms, max_terms + 1))
+    if n_eval >= space:
+        raise ValueError(f"task.n_eval={n_eval} leaves no training prompts: only {space} distinct prompts exist")
+    eval_rows = {}
+    while len(eval_rows) < n_eval:  # distinct held-out prompts
+        row = draw()
+        eval_rows[row["prompt"]] = row
+    train_rows = []
+    while len(train_rows) < n_train:  # held-out prompts never appear in training
+        row = draw()
+        if row["prompt"] not in eval_rows:
+            train_rows.append(row)
+    return train_rows, list(eval_rows.values())
+
+
 class Arithmetic(Task):
     """Sums of `min_terms`..`max_terms` integers in [0, `max_operand`]; reward 1 for the right
     final answer, 0 for a wrong or malformed one. Each row's `difficulty` is its number of terms,
@@ -49,26 +72,9 @@ class Arithmetic(Task):
         if demo_max_terms and not min_terms <= demo_max_terms <= max_terms:
             raise ValueError("task.demo_max_terms must be 0 (every prompt) or in [task.min_terms, task.max_terms]")
         self.worked_fraction = worked_fraction
-        rng = random.Random(seed)
-
-        def draw() -> dict:
-            terms = [rng.randint(0, max_operand) for _ in range(rng.randint(min_terms, max_terms))]
-            return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)), "difficulty": len(terms)}
-
-        space = sum((max_operand + 1) ** k for k in range(min_terms, max_terms + 1))
-        if n_eval >= space:
-            raise ValueError(f"task.n_eval={n_eval} leaves no training prompts: only {space} distinct prompts exist")
-        eval_rows = {}
-        while len(eval_rows) < n_eval:  # distinct held-out prompts
-            row = draw()
-            eval_rows[row["prompt"]] = row
-        train_rows = []
-        while len(train_rows) < n_train:  # held-out prompts never appear in training
-            row = draw()
-            if row["prompt"] not in eval_rows:
-                train_rows.append(row)
+        train_rows, eval_rows = draw_sums(random.Random(seed), n_train, n_eval, min_terms, max_terms, max_operand)
         self.train = Dataset.from_list(train_rows)
-        self.eval = Dataset.from_list(list(eval_rows.values()))
+        self.eval = Dataset.from_list(eval_rows)
         self.demonstrations = (
             Dataset.from_list([r for r in train_rows if r["difficulty"] <= demo_max_terms])
             if demo_max_terms
