@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -53,3 +54,41 @@ def warm_cache(tmp_path_factory) -> str:
 def fast_cfg(warm_cache):
     """Compose the packaged config with FAST overrides plus the given ones; warm start from the session's cache."""
     return lambda *overrides: make_cfg(list(overrides), cache_dir=warm_cache)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    from rlkit.models import TinyQwen2
+    from rlkit.tasks.arithmetic import ALPHABET
+
+    path = tmp_path_factory.mktemp("hf")
+    model, tok = TinyQwen2(
+        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=64
+    ).build(ALPHABET, 0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def tmpfs(tmp_path, size: str):
+    """A tmpfs of `size` mounted at tmp_path/disk (needs root; skips where it cannot mount)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root): the full-disk tests need one")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)])
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 150 KiB tmpfs: room for the run's small files, not for a checkpoint."""
+    yield from tmpfs(tmp_path, "150k")
+
+
+@pytest.fixture
+def small_disk(tmp_path, request):
+    """A tmpfs of the size the test asks for (indirect parametrisation)."""
+    yield from tmpfs(tmp_path, request.param)

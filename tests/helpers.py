@@ -1,4 +1,7 @@
-"""Rollouts built by hand from tensors (no model), for testing estimators and samplers."""
+"""Test helpers without a model: rollouts built by hand from tensors (estimators, samplers), plugin
+and reward-function doubles, and data-file rows."""
+
+import json
 
 import torch
 
@@ -188,3 +191,19 @@ class OddReward:
 
     def __call__(self, row, completion, task):
         return ODD[self.kind]()
+
+
+GOOD = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"}]
+
+
+def file_task(tmp_path, train, evals=GOOD):
+    return [
+        "task=files",
+        f"task.train_path={write_jsonl(tmp_path / 'train.jsonl', train)}",
+        f"task.eval_path={write_jsonl(tmp_path / 'eval.jsonl', evals)}",
+    ]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)

@@ -198,7 +198,7 @@ def kill_all(marker: str) -> None:
 
 def test_a_killed_two_process_run_resumes_to_the_uninterrupted_metrics(tmp_path, warm_cache):
     """kill -9 the whole torchrun job after its step-4 checkpoint; the rerun restores every rank's RNG."""
-    from test_reliability import metrics
+    from cli import metrics
 
     args = ["steps=10", "checkpoint.every=2", "eval.every=5"]
     ref = torchrun(tmp_path / "ref", warm_cache, *args)
@@ -279,7 +279,7 @@ def test_the_tasks_of_a_slurm_job_train_as_one_data_parallel_run(tmp_path, warm_
 
 def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(tmp_path, warm_cache):
     """What a scheduler does on preemption: SIGTERM to the launcher, which forwards it to the ranks."""
-    from test_reliability import metrics
+    from cli import metrics
 
     cmd = [
         sys.executable,

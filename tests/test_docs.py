@@ -6,6 +6,7 @@ files the pages show are written out first, so the plugin commands compose with 
 benchmark commands name extras and files that exist. A command of any other program fails."""
 
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,9 @@ from hydra import compose, initialize_config_module
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from cli import metrics, run_cli
+from conftest import FAST
+from helpers import SIGN_ONLY, write_plugin
 from rlkit.analysis import compare, study, study_cli
 from rlkit.setup import validate
 
@@ -146,3 +150,27 @@ def test_every_shown_command_composes(page, cmd, tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(EXAMPLE_PLUGIN))
         cmd += " hydra.searchpath=[pkg://rlkit_example_plugin.conf]"
     check_command(cmd)
+
+
+@pytest.mark.slow
+def test_the_readme_plugin_example_runs_from_the_console_script(tmp_path):
+    """`rlkit-train advantage=sign hydra.searchpath=[file://my_conf]` from the folder holding my_estimators/."""
+    exe = shutil.which("rlkit-train")
+    if exe is None:
+        pytest.skip("rlkit-train is not installed")
+    write_plugin(tmp_path, "my_estimators", SIGN_ONLY, "advantage", "sign", "_target_: my_estimators.SignOnly\n")
+    out = run_cli(
+        [
+            "advantage=sign",
+            "hydra.searchpath=[file://my_conf]",
+            *FAST,
+            "steps=1",
+            "warm_start.steps=0",
+            "hydra.run.dir=run",
+        ],
+        tmp_path,
+        exe=(exe,),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rlkit warm start" not in out.stderr and "rlkit eval" in out.stderr  # progress bars
+    assert metrics(tmp_path / "run")[1]["train/num_rows"] == 16

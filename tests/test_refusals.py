@@ -1,30 +1,33 @@
-"""Bad numbers, bad files and a full disk are refused with one line naming the key or the file
-(exit 2, or 74 for storage), before anything is allocated or written; nothing of an earlier run is
-lost. Each test fails on a build that lacks the check it names."""
+"""Bad numbers, bad models, bad reward functions and bad plugins are refused with one line naming the
+key, the function or the file (exit 2), before anything is allocated or written; a refused run
+leaves the run directory as it was. Each test fails on a build that lacks the check it names."""
 
 import functools
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from cli import TESTS, metrics, run_cli, train
 from conftest import FAST, make_cfg
+from helpers import GOOD, file_task
 from rlkit.config import ConfigError, numbers
-from rlkit.exits import EXIT_BAD_INPUT, EXIT_STORAGE
-from rlkit.metrics import by_difficulty
+from rlkit.exits import EXIT_BAD_INPUT
 from rlkit.setup import validate
 from rlkit.tasks.base import TaskError
-from rlkit.tasks.files import FileTask
 from rlkit.train import run
-from test_reliability import command
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-TESTS = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 SKIP_GROUPS = {"hydra", "experiment"}
 
 
@@ -45,21 +48,9 @@ def numeric_keys() -> list[tuple[str, str]]:
 KEYS = st.deferred(lambda: st.sampled_from(numeric_keys()))  # composed on first use, not at collection
 
 
-def cli(*overrides, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "rlkit.train", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": TESTS},
-    )
-
-
 def refusal(choice: str, key: str, value: str) -> str | None:
     """What refuses `key=value`: Hydra's composition (a typed key; the CLI exits 2 with it) or
     `validate`; None when both accept it. Any other exception fails the test."""
-    from hydra.errors import ConfigCompositionException
 
     try:
         cfg = make_cfg([choice, f"{key}={value}"])
@@ -123,100 +114,6 @@ def test_a_rollout_too_large_for_memory_is_refused_with_its_size_before_allocati
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def write_csv(path: Path, text: str, bom: bool = False) -> str:
-    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode())
-    return str(path)
-
-
-def test_csv_files_empty_with_a_bom_or_with_bad_difficulties_are_named(tmp_path):
-    empty = write_csv(tmp_path / "empty.csv", "")
-    with pytest.raises(TaskError, match=r"task.train_path: .*empty.csv.*the file is empty: a CSV file needs a header"):
-        FileTask(empty, empty, format="csv")
-    ragged = write_csv(tmp_path / "ragged.csv", "prompt,answer\n1+1=,2\n2+2=,4,extra\n")
-    with pytest.raises(TaskError, match=r"line 3 has 3 fields, the header 2"):
-        FileTask(ragged, ragged, format="csv")
-    bom = write_csv(tmp_path / "bom.csv", "prompt,answer,difficulty\n1+1=,2,1\n2+2=,4,1.5\n", bom=True)
-    task = FileTask(bom, bom, format="csv")
-    assert task.train.column_names == ["prompt", "answer", "difficulty"] and task.train["difficulty"] == [1.0, 1.5]
-    import torch
-
-    assert by_difficulty(list(task.train), torch.tensor([1.0, 0.0]), "acc") == {"acc_d1": 1.0, "acc_d1.5": 0.0}
-    words = write_csv(tmp_path / "words.csv", "prompt,answer,difficulty\n1+1=,2,1\n2+2=,4,hard\n")
-    with pytest.raises(TaskError, match=r"task.train row 1 has difficulty 'hard'; the difficulty column must hold"):
-        FileTask(words, words, format="csv")
-
-
-@pytest.mark.slow
-def test_a_non_numeric_difficulty_exits_2_and_leaves_no_run_directory(tmp_path):
-    data = write_csv(tmp_path / "d.csv", "prompt,answer,difficulty\n1+1=,2,easy\n")
-    out = cli(
-        "task=files",
-        "task.format=csv",
-        f"task.train_path={data}",
-        f"task.eval_path={data}",
-        "steps=1",
-        "warm_start.steps=0",
-        "logger=jsonl",
-        "hydra.run.dir=runs/a",
-        cwd=tmp_path,
-    )
-    assert out.returncode == EXIT_BAD_INPUT and "has difficulty 'easy'" in out.stderr and "Traceback" not in out.stderr
-    assert not (tmp_path / "runs").exists()
-
-
-@pytest.fixture
-def small_disk(tmp_path, request):
-    """A tmpfs of the size the test asks for (needs root)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={request.param}", "tmpfs", str(disk)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root): the full-disk tests need one")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("small_disk", ["3m", "12m"], indirect=True)
-def test_a_full_disk_in_any_writer_exits_74_with_one_line(tmp_path, small_disk):
-    """The default model's checkpoint: safetensors reports the full disk with its own error type."""
-    out = cli(
-        "threads=1",
-        "steps=2",
-        "warm_start.steps=2",
-        "eval.every=0",
-        "logger=jsonl",
-        "checkpoint.every=1",
-        f"warm_start.cache_dir={tmp_path / 'cache'}",
-        f"hydra.run.dir={small_disk / 'run'}",
-    )
-    assert out.returncode == EXIT_STORAGE, out.stderr[-3000:]
-    assert "no space left on the device" in out.stderr and "Traceback" not in out.stderr
-    assert not [p for p in (small_disk / "run" / "checkpoints").iterdir() if p.name.startswith(".tmp_")]
-
-
-@pytest.mark.slow
-def test_starting_over_moves_the_earlier_runs_hydra_record_with_it(tmp_path, warm_cache):
-    run_dir = tmp_path / "run"
-    first = subprocess.run(
-        command(run_dir, warm_cache, "steps=1", "seed=3"), capture_output=True, text=True, timeout=300
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
-    earlier = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
-    assert "seed=3" in earlier["overrides.yaml"]
-    again = subprocess.run(
-        command(run_dir, warm_cache, "steps=1", "seed=4", "checkpoint.resume=false"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    (previous,) = (run_dir / "previous_runs").iterdir()
-    assert {p.name: p.read_text() for p in (previous / ".hydra").iterdir()} == earlier
-    assert "seed=4" in (run_dir / ".hydra" / "overrides.yaml").read_text()
-
-
 @pytest.mark.slow
 def test_a_refusal_under_rlkit_launch_ends_with_the_refusal_not_a_traceback(tmp_path):
     out = subprocess.run(
@@ -242,3 +139,195 @@ def test_a_refusal_under_rlkit_launch_ends_with_the_refusal_not_a_traceback(tmp_
     assert out.returncode == EXIT_BAD_INPUT, out.stderr[-3000:]
     assert "rlkit: error:" in out.stderr and "Traceback" not in out.stderr and "FileNotFoundError" not in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_reward_function_that_raises_names_row_and_completion(tmp_path, warm_cache, monkeypatch):
+    import helpers
+    from rlkit.tasks.arithmetic import Arithmetic
+
+    monkeypatch.setattr(Arithmetic, "reward", staticmethod(helpers.raising_reward))
+    with pytest.raises(
+        TaskError, match=r"reward function raised on row \d+ \(prompt '.*', completion '1.*'\): KeyError"
+    ):
+        run(make_cfg(["steps=3", "warm_start.steps=0", "rollout.temperature=2.0"], cache_dir=warm_cache), str(tmp_path))
+
+
+def test_reward_that_is_not_a_number_is_reported(tmp_path, warm_cache, monkeypatch):
+    from rlkit.tasks.arithmetic import Arithmetic
+
+    monkeypatch.setattr(Arithmetic, "reward", lambda self, row, text: "yes")
+    with pytest.raises(TaskError, match=r"reward function returned 'yes' for row 0"):
+        run(make_cfg([], cache_dir=warm_cache), str(tmp_path))
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf"])
+def test_a_reward_weight_that_is_not_finite_is_named(tmp_path, weight):
+    with pytest.raises(ConfigError, match=rf"reward.functions.format.weight must be a finite number, got {weight}"):
+        run(make_cfg(["rewards=accuracy_format", f"reward.functions.format.weight={weight}"]), str(tmp_path))
+
+
+def test_reward_functions_are_named_in_errors_and_numpy_numbers_are_accepted(tmp_path, warm_cache):
+    cfg = make_cfg(
+        [
+            "rewards=accuracy_format",
+            "++reward.functions.format._target_=helpers.NumpyReward",
+            "~reward.functions.format.pattern",
+            "steps=1",
+        ],
+        cache_dir=warm_cache,
+    )
+    assert run(cfg, str(tmp_path / "ok"))["steps"] == 1  # a finite np.float32 is a number
+    cfg = make_cfg(
+        [
+            "rewards=accuracy_format",
+            "++reward.functions.format._target_=helpers.NumpyReward",
+            "~reward.functions.format.pattern",
+            "++reward.functions.format.value=0",
+            "++reward.functions.format.divide_by=0",
+            "steps=1",
+        ],
+        cache_dir=warm_cache,
+    )
+    with pytest.raises(TaskError, match=r"reward.functions.format returned \S*nan\S* for row 0"):
+        run(cfg, str(tmp_path / "nan"))
+    cfg = make_cfg(
+        [
+            "rewards=accuracy_format",
+            "++reward.functions.format._target_=helpers.NumpyReward",
+            "~reward.functions.format.pattern",
+            "++reward.functions.format.value=nan",
+        ],
+        cache_dir=warm_cache,
+    )
+    with pytest.raises(ConfigError, match=r"reward.functions.format.value must be a finite number, got nan"):
+        run(cfg, str(tmp_path / "nan_config"))
+
+
+def test_prompt_longer_than_the_context_is_reported(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match=r"task.train row \d+ has a prompt of 4 tokens; with "
+        r"rollout.max_new_tokens=12 it exceeds the model's context of 10",
+    ):
+        run(make_cfg(["++model.max_position_embeddings=10"]), str(tmp_path))
+
+
+def test_characters_the_tokenizer_cannot_encode_are_named(tmp_path):
+    from rlkit.models import TinyQwen2
+    from rlkit.tasks.arithmetic import ALPHABET
+
+    model, tok = TinyQwen2(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64).build(
+        ALPHABET, 0
+    )
+    tok.save_pretrained(tmp_path / "hf")
+    model.save_pretrained(tmp_path / "hf")
+    files = file_task(tmp_path, GOOD, GOOD + [{"prompt": "1+é=", "answer": "1"}])
+    with pytest.raises(
+        ConfigError, match=r"task.eval row 2 \('1\+é='\) has characters the tokenizer cannot encode: \['é'\]"
+    ):
+        run(make_cfg(files + ["model=pretrained", f"model.path={tmp_path / 'hf'}"]), str(tmp_path / "run"))
+
+
+def test_an_evaluation_budget_past_the_context_is_named(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match=r"task.eval row \d+ has a prompt of \d+ tokens; with "
+        r"eval.max_new_tokens=200 it exceeds the model's context of 128",
+    ):
+        run(make_cfg(["eval.max_new_tokens=200", "warm_start.steps=0"]), str(tmp_path / "run"))
+
+
+def test_lora_targets_the_model_lacks_are_named_with_the_modules_it_has(saved_model, tmp_path):
+    cfg = make_cfg(
+        [
+            "model=pretrained",
+            f"model.path={saved_model}",
+            "model.lora_r=4",
+            "model.lora_targets=[c_attn,c_proj]",
+            "warm_start.steps=0",
+        ]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"model.lora_targets=\['c_attn', 'c_proj'\] cannot be applied.*"
+        r"named \[.*'q_proj'",
+    ):
+        run(cfg, str(tmp_path / "run"))
+
+
+def test_a_model_folder_without_tokenizer_files_is_named(saved_model, tmp_path):
+    weights_only = tmp_path / "w"
+    weights_only.mkdir()
+    for f in saved_model.iterdir():
+        if f.name in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, weights_only / f.name)
+    with pytest.raises(ConfigError, match="has no tokenizer files"):
+        run(make_cfg(["model=pretrained", f"model.path={weights_only}", "warm_start.steps=0"]), str(tmp_path / "r"))
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ("n", r"returned advantages of shape \(16,\); expected a float tensor of shape \[N, Tc\] = \[16, 12\]"),
+        ("n1", r"returned advantages of shape \(16, 1\)"),
+        ("pg", r"returned advantages of shape \(4, 4\)"),
+        ("raise", r"advantage=WrongShape raised on a rollout of 16 rows: IndexError: plugin bug"),
+    ],
+)
+def test_a_plugin_estimator_with_a_bug_is_named_before_any_update(tmp_path, shape, message, warm_cache):
+    cfg = make_cfg(
+        [
+            "++advantage._target_=helpers.WrongShape",
+            f"++advantage.shape={shape}",
+            "~advantage.std",
+            "~advantage.eps",
+            "~advantage.std_scope",
+            "rollout.max_new_tokens=12",
+            "loss.beta=0",
+        ],
+        cache_dir=warm_cache,
+    )
+    with pytest.raises(ConfigError, match=message):
+        run(cfg, str(tmp_path))
+    assert [l["step"] for l in metrics(tmp_path)] == [0] and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("advantage.bogus=1", "Could not override 'advantage.bogus'"),
+        ("+loss.eps_hi=0.3", "loss.eps_hi is not an option of rlkit.losses.PPOClip (options: ['eps_low', 'eps_high'"),
+        ("model.hidden_size=abc", "model.hidden_size='abc' must be of type int"),
+        ("advantage=nope", "Could not find 'advantage/nope'"),
+    ],
+)
+@pytest.mark.slow
+def test_bad_input_exits_2_with_a_message_and_leaves_no_output_folder(tmp_path, override, message):
+    out = run_cli([override, "steps=1", "warm_start.steps=0"], tmp_path)
+    assert out.returncode == EXIT_BAD_INPUT and message in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_a_refused_run_leaves_the_run_directorys_hydra_files_as_they_were(tmp_path, warm_cache):
+    first = train(tmp_path / "run", warm_cache, "steps=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["hardware"]["pins"] == {}  # no pins: none named
+    before = {p.name: p.read_text() for p in (tmp_path / "run" / ".hydra").iterdir()}
+    refused = train(tmp_path / "run", warm_cache, "steps=1", "seed=7", "optim.lr=0.5")
+    assert refused.returncode == EXIT_BAD_INPUT and "written with different seed, optim" in refused.stderr
+    assert {p.name: p.read_text() for p in (tmp_path / "run" / ".hydra").iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
+    (tmp_path / "mine" / "empty").mkdir(parents=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlkit.train", "steps=0", "hydra.run.dir=mine/empty/run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == EXIT_BAD_INPUT, out.stderr[-2000:]
+    assert (tmp_path / "mine" / "empty").is_dir() and not (tmp_path / "mine" / "empty" / "run").exists()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
+from cli import metrics  # without the timing keys
 from conftest import make_cfg
 from rlkit.batching import micro_batches, over_micro_batches
 from rlkit.config import build
@@ -18,7 +19,6 @@ from rlkit.logprobs import rollout_logprobs, token_logprobs
 from rlkit.preflight import check_encodable
 from rlkit.train import run
 from rlkit.types import Rollout
-from test_reliability import metrics  # without the timing keys
 
 pytestmark = pytest.mark.slow  # real-model and multi-process runs: `pytest -m "not slow"` leaves them out
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from cli import TIMING
 from conftest import FAST, make_cfg
 from rlkit.analysis import stats
 from rlkit.analysis.records import plan, read_records
 from rlkit.analysis.study import StudyError, every_arm, load_spec
 from rlkit.analysis.study_cli import main as study_main
 from rlkit.analysis.verdict import MARKER, analyse, report
-from test_reliability import TIMING
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import wandb
 from hydra import compose, initialize_config_module
 from matplotlib.image import imread
 
 from conftest import FAST, make_cfg
+from helpers import write_jsonl
 from rlkit.analysis.compare import main as compare_main
 from rlkit.analysis.stats import mean_ci
 from rlkit.train import run
@@ -147,7 +149,6 @@ def test_compare_groups_by_config_keys_and_names_missing_ones(tmp_path, capsys):
 
 
 def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch, warm_cache):
-    import torch
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     ids = []
@@ -164,3 +165,31 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch, warm_ca
     # offline-run-<date>_<time>-<id>, plus "-1" when both sessions started within the same second
     names = [p.name for p in (tmp_path / "run" / "wandb").glob("offline-run-*")]
     assert {re.match(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)", n)[1] for n in names} == {ids[0]}
+
+
+def test_compare_keeps_the_last_of_repeated_steps_and_says_so(tmp_path, capsys):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "run.json").write_text(json.dumps({"choices": {"algo": "grpo"}, "config": {}}))
+    write_jsonl(
+        tmp_path / "r" / "metrics.jsonl",
+        [
+            {"step": 0, "eval/accuracy": 0.1},
+            {"step": 1, "eval/accuracy": 0.2},
+            {"step": 0, "eval/accuracy": 0.3},
+            {"step": 1, "eval/accuracy": 0.4},
+        ],
+    )
+    (tmp_path / "r" / "summary.json").write_text("{}")
+    assert compare_main([str(tmp_path), "--by", "algo"]) == 0
+    out = capsys.readouterr()
+    assert "has step 0 more than once" in out.err and "0.400" in out.out
+
+
+def test_compare_refuses_a_metric_nobody_logged(tmp_path, capsys, warm_cache):
+    from rlkit.analysis.compare import main
+
+    run(make_cfg(["steps=1"], cache_dir=warm_cache), str(tmp_path / "run"))
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "run"), "--metric", "eval/nobody", "--baseline", "grpo"])
+    assert e.value.code == 2 and "--metric eval/nobody: no run logged it" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "compare").exists()

@@ -9,7 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlkit.config import resolved
+from cli import metrics
+from conftest import make_cfg
+from rlkit.config import ConfigError, resolved
 from rlkit.rewards import shuffled
 from rlkit.train import run
 from rlkit.warm_start import warm_start
@@ -83,8 +85,6 @@ def test_resume_continues_from_the_last_checkpoint(fast_cfg, tmp_path):
 def test_resume_with_a_different_config_is_refused_naming_the_keys(fast_cfg, tmp_path):
     import pytest
 
-    from rlkit.config import ConfigError
-
     run(fast_cfg("steps=2"), str(tmp_path))
     with pytest.raises(ConfigError, match="written with different model, loss"):
         run(fast_cfg("steps=4", "model.hidden_size=32", "loss.beta=0.1"), str(tmp_path))
@@ -157,3 +157,12 @@ def test_adam_epsilon_reaches_the_optimizer(fast_cfg, tmp_path):
 
     state = setup(fast_cfg("optim.eps=0.5"), str(tmp_path), {})
     assert [g["eps"] for g in state.parts.optimizer.param_groups] == [0.5]
+
+
+def test_micro_batches_need_not_divide_the_batch(tmp_path, warm_cache):
+    whole = run(make_cfg(["steps=1"], cache_dir=warm_cache), str(tmp_path / "a"))
+    split = run(make_cfg(["steps=1", "optim.micro_batch_size=5"], cache_dir=warm_cache), str(tmp_path / "b"))
+    a, b = metrics(tmp_path / "a")[1], metrics(tmp_path / "b")[1]
+    assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+    assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
+    assert whole["accuracy_after"] == split["accuracy_after"]
