@@ -44,7 +44,7 @@ def probe_entropy(policy, tokenizer, task, batch_size: int) -> dict:
     with a fixed seed: the same tokens at every evaluation and in every run), teacher-forced. Unlike
     the rollout's entropy it does not move with what the policy chooses to write. A task without
     demonstrations has no probe (an empty dict)."""
-    if policy is None or not hasattr(task, "demonstration"):
+    if policy is None or task.demonstration is None:
         return {}
     from rlkit.warm_start import demonstration_batch
 

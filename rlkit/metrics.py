@@ -84,7 +84,7 @@ def feature_metrics(task, rows: list[dict], texts: list[str], prefix: str, hard:
     arithmetic's `worked`: the answer shows its steps), each as `<prefix>/<name>`: the mean overall,
     per difficulty level and, with `hard` (a fixed set of rows), over the hardest third. {} for a
     task without features."""
-    if not texts or not hasattr(task, "features"):
+    if not texts or task.features is None:
         return {}
     feats = [task.features(t) for t in texts]
     out = {}

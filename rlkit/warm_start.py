@@ -27,7 +27,7 @@ from rlkit.signals import Preempted
 
 def applies(cfg, task) -> bool:
     """Whether the run warm-starts: steps > 0 and the task has demonstrations."""
-    return cfg.steps > 0 and hasattr(task, "demonstration")
+    return cfg.steps > 0 and task.demonstration is not None
 
 
 def cache_path(cache_dir: str, key: dict) -> Path:
@@ -49,7 +49,7 @@ def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: f
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps))
     policy.train()
-    pool = getattr(task, "demonstrations", task.train)  # the prompts a task demonstrates (default: all)
+    pool = task.train if task.demonstrations is None else task.demonstrations  # the prompts demonstrated
     n = len(pool)
     for _ in tqdm(range(steps), desc="rlkit warm start", file=sys.stderr, leave=False):
         if stop is not None and stop.received:

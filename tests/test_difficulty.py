@@ -9,6 +9,7 @@ from rlkit.advantages import DrGRPO
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.config import build
 from rlkit.metrics import feature_metrics, hardest_third, rollout_metrics, weight_metrics
+from rlkit.tasks.base import Task
 from rlkit.warm_start import train_supervised
 
 
@@ -86,4 +87,4 @@ def test_the_share_of_worked_answers_by_difficulty_by_hand():
     }
     assert "train/worked_hard" not in feature_metrics(task, rows, texts, "train")  # a batch's levels vary
     assert feature_metrics(task, rows, [], "eval") == {}
-    assert feature_metrics(object(), rows, texts, "eval") == {}  # a task without features logs none
+    assert feature_metrics(Task(), rows, texts, "eval") == {}  # a task without features logs none

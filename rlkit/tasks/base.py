@@ -85,6 +85,9 @@ class Task:
 
     train: Dataset
     eval: Dataset
+    demonstrations: Dataset | None = None  # the prompts the warm start demonstrates; None: every training prompt
+    demonstration = None  # method (row, rng) -> a worked answer to train on; None: no warm start, no probe set
+    features = None  # method completion -> {name: number}, logged per step; None: no feature metrics
 
     @property
     def alphabet(self) -> str:
