@@ -32,6 +32,12 @@ def train(run_dir, cache, *extra, env=None) -> subprocess.CompletedProcess:
     return run_cli(command(run_dir, cache, *extra), env=env, exe=())
 
 
+def sweep(sweep_dir, cache, *overrides) -> subprocess.CompletedProcess:
+    """A fast Hydra multirun (`-m`) of the overrides, two jobs at a time (joblib), to its end."""
+    jobs = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep_dir}"]
+    return run_cli(["-m", *FAST, *overrides, *jobs, f"warm_start.cache_dir={cache}"], timeout=600)
+
+
 def metrics(run_dir) -> list[dict]:
     """Every logged step of `run_dir/metrics.jsonl`, without the timing keys."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

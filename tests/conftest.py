@@ -56,18 +56,24 @@ def fast_cfg(warm_cache):
     return lambda *overrides: make_cfg(list(overrides), cache_dir=warm_cache)
 
 
-@pytest.fixture(scope="module")
-def saved_model(tmp_path_factory):
+def save_tiny_qwen2(path, alphabet: str, max_positions: int = 64, chat_template: str | None = None):
+    """A tiny Qwen2 with random weights and a character tokenizer, saved as a user's checkpoint would be."""
     from rlkit.models import TinyQwen2
-    from rlkit.tasks.arithmetic import ALPHABET
 
-    path = tmp_path_factory.mktemp("hf")
-    model, tok = TinyQwen2(
-        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=64
-    ).build(ALPHABET, 0)
+    sizes = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    model, tok = TinyQwen2(**sizes, max_position_embeddings=max_positions).build(alphabet, 0)
+    tok.chat_template = chat_template
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """`save_tiny_qwen2` for the testbed's alphabet."""
+    from rlkit.tasks.arithmetic import ALPHABET
+
+    return save_tiny_qwen2(tmp_path_factory.mktemp("hf"), ALPHABET)
 
 
 def tmpfs(tmp_path, size: str):

@@ -2,15 +2,13 @@
 before, in a parallel sweep on an empty cache, in portable mode, and for every rank of a launch."""
 
 import json
-import subprocess
-import sys
 import time
 from datetime import datetime
 
 import pytest
 
-from cli import metrics, train
-from conftest import FAST, make_cfg
+from cli import metrics, sweep, train
+from conftest import make_cfg
 from rlkit.train import run
 
 
@@ -30,24 +28,7 @@ def test_same_seed_gives_the_same_metrics_whatever_filled_the_cache(tmp_path):
 
 @pytest.mark.slow
 def test_a_parallel_sweep_on_an_empty_cache_warm_starts_once_and_every_job_uses_it(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlkit.train",
-            "-m",
-            "seed=0,1",
-            *FAST,
-            "steps=1",
-            "hydra/launcher=joblib",
-            "hydra.launcher.n_jobs=2",
-            f"warm_start.cache_dir={tmp_path / 'cache'}",
-            f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = sweep(tmp_path / "sweep", tmp_path / "cache", "seed=0,1", "steps=1")
     assert out.returncode == 0, out.stderr[-3000:]
     infos = [json.loads(p.read_text())["warm_start"] for p in sorted((tmp_path / "sweep").rglob("run.json"))]
     assert len(infos) == 2 and infos[0]["cache"] == infos[1]["cache"]

@@ -8,9 +8,9 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-from conftest import make_cfg
+from conftest import make_cfg, save_tiny_qwen2
 from rlkit.config import ConfigError
-from rlkit.models import AdaptersOff, TinyQwen2
+from rlkit.models import AdaptersOff
 from rlkit.rewards import combine, group_zscore
 from rlkit.setup import setup
 from rlkit.tasks.math import Math, last_boxed, reference_answer
@@ -24,15 +24,8 @@ ALPHABET = "0123456789+=;<>abcdefghijklmnopqrstuvwxyz"
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    """A tiny Qwen2 and a character tokenizer with a chat template, saved as a user's checkpoint would be."""
-    path = tmp_path_factory.mktemp("hf")
-    model, tok = TinyQwen2(
-        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=256
-    ).build(ALPHABET, 0)
-    tok.chat_template = CHAT
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    """A tiny Qwen2 with a chat template, saved as a user's checkpoint would be."""
+    return save_tiny_qwen2(tmp_path_factory.mktemp("hf"), ALPHABET, max_positions=256, chat_template=CHAT)
 
 
 def pretrained(path, *extra):

@@ -167,40 +167,19 @@ def test_a_reward_weight_that_is_not_finite_is_named(tmp_path, weight):
 
 
 def test_reward_functions_are_named_in_errors_and_numpy_numbers_are_accepted(tmp_path, warm_cache):
-    cfg = make_cfg(
-        [
-            "rewards=accuracy_format",
-            "++reward.functions.format._target_=helpers.NumpyReward",
-            "~reward.functions.format.pattern",
-            "steps=1",
-        ],
-        cache_dir=warm_cache,
-    )
-    assert run(cfg, str(tmp_path / "ok"))["steps"] == 1  # a finite np.float32 is a number
-    cfg = make_cfg(
-        [
-            "rewards=accuracy_format",
-            "++reward.functions.format._target_=helpers.NumpyReward",
-            "~reward.functions.format.pattern",
-            "++reward.functions.format.value=0",
-            "++reward.functions.format.divide_by=0",
-            "steps=1",
-        ],
-        cache_dir=warm_cache,
-    )
+    def numpy_reward(*options):
+        fn = "reward.functions.format"
+        return make_cfg(
+            ["rewards=accuracy_format", f"++{fn}._target_=helpers.NumpyReward", f"~{fn}.pattern", *options],
+            cache_dir=warm_cache,
+        )
+
+    assert run(numpy_reward("steps=1"), str(tmp_path / "ok"))["steps"] == 1  # a finite np.float32 is a number
+    zero_by_zero = numpy_reward("++reward.functions.format.value=0", "++reward.functions.format.divide_by=0", "steps=1")
     with pytest.raises(TaskError, match=r"reward.functions.format returned \S*nan\S* for row 0"):
-        run(cfg, str(tmp_path / "nan"))
-    cfg = make_cfg(
-        [
-            "rewards=accuracy_format",
-            "++reward.functions.format._target_=helpers.NumpyReward",
-            "~reward.functions.format.pattern",
-            "++reward.functions.format.value=nan",
-        ],
-        cache_dir=warm_cache,
-    )
+        run(zero_by_zero, str(tmp_path / "nan"))
     with pytest.raises(ConfigError, match=r"reward.functions.format.value must be a finite number, got nan"):
-        run(cfg, str(tmp_path / "nan_config"))
+        run(numpy_reward("++reward.functions.format.value=nan"), str(tmp_path / "nan_config"))
 
 
 def test_prompt_longer_than_the_context_is_reported(tmp_path):

@@ -3,8 +3,6 @@
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,8 @@ import wandb
 from hydra import compose, initialize_config_module
 from matplotlib.image import imread
 
-from conftest import FAST, make_cfg
+from cli import sweep
+from conftest import make_cfg
 from helpers import write_jsonl
 from rlkit.analysis.compare import main as compare_main
 from rlkit.analysis.stats import mean_ci
@@ -22,24 +21,7 @@ from wandb_files import read_records
 
 @pytest.mark.slow
 def test_multirun_over_two_variants_writes_two_run_directories(tmp_path, warm_cache):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlkit.train",
-            "-m",
-            "advantage=grpo,rloo",
-            "seed=0",
-            *FAST,
-            "hydra/launcher=joblib",
-            "hydra.launcher.n_jobs=2",
-            f"warm_start.cache_dir={warm_cache}",
-            f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = sweep(tmp_path / "sweep", warm_cache, "advantage=grpo,rloo", "seed=0")
     assert out.returncode == 0, out.stderr[-3000:]
     runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.jsonl"))
     assert [p.name[:16] for p in runs] == ["0_advantage=grpo", "1_advantage=rloo"]  # named by overrides
