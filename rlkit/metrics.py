@@ -117,9 +117,14 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
     lengths = r.lengths.float()  # [N]
     short = lengths <= lengths.median()  # [N]
     mask = r.completion_mask.bool()  # [N, Tc]
-    per_token = lambda rows: mean_or_none(eff[rows][mask[rows]].abs())  # noqa: E731
     magnitude = eff.abs().sum(-1)  # [N]
-    share = lambda x: float(x.sum() / magnitude.sum()) if magnitude.sum() > 0 else None  # noqa: E731
+
+    def per_token(rows: torch.Tensor) -> float | None:  # mean |weight| over the tokens of `rows` [N] bool
+        return mean_or_none(eff[rows][mask[rows]].abs())
+
+    def share(x: torch.Tensor) -> float | None:  # x's part of the total magnitude
+        return float(x.sum() / magnitude.sum()) if magnitude.sum() > 0 else None
+
     return {
         "weight/correct_sum": float(per_seq[correct].sum()),
         "weight/incorrect_sum": float(per_seq[~correct].sum()),

@@ -211,7 +211,9 @@ class Robust:
     p_improve: tuple[float, float, float]
 
     def describe(self, a: str, b: str, lower: bool) -> str:
-        f = lambda e: f"{e[0]:.3f} [{e[1]:.3f}, {e[2]:.3f}]"  # noqa: E731
+        def f(e: tuple) -> str:
+            return f"{e[0]:.3f} [{e[1]:.3f}, {e[2]:.3f}]"
+
         return (
             f"IQM {b} {f(self.iqm_b)} vs {a} {f(self.iqm_a)}; P({b} {'<' if lower else '>'} {a}) = {f(self.p_improve)}"
         )

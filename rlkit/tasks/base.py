@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+from functools import partial
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ def read_json_text(path: str) -> Dataset:
     """A JSON-lines file (or one JSON array of objects) with every number kept as the text the file
     spells it (`007`, `1.50`, a 20-digit integer), strings as they are."""
     text = open(path, encoding="utf-8").read()
-    load = lambda s: json.loads(s, parse_int=str, parse_float=str, parse_constant=str)  # noqa: E731
+    load = partial(json.loads, parse_int=str, parse_float=str, parse_constant=str)
     rows = load(text) if text.lstrip().startswith("[") else [load(line) for line in text.splitlines() if line.strip()]
     if not all(isinstance(r, dict) for r in rows):
         raise ValueError("expected one JSON object per line (or a JSON array of objects)")
