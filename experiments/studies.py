@@ -30,13 +30,16 @@ def verdicts(name: str) -> dict | None:
     r = analyse(spec, read_records(folder / "results"), read_plan(folder / "results" / "plan.json"), robust=False)
     claimed_equal = spec.primary.direction == "equal"
     return {
-        arm: (word(r["verdicts"][arm][0], claimed_equal), short(r["diffs"][arm].describe()), r)
+        arm: (word(*r["verdicts"][arm], claimed_equal), short(r["diffs"][arm].describe()), r)
         for arm in r["treatments"]
     }
 
 
-def word(verdict: str, claimed_equal: bool) -> str:
-    """The verdict, saying what `equivalent` means for a claimed direction."""
+def word(verdict: str, reason: str, claimed_equal: bool) -> str:
+    """The verdict, saying what `equivalent` means for a claimed direction and when a reproduced
+    difference is smaller than the declared smallest effect."""
+    if verdict == "reproduced" and "smaller than the declared smallest effect" in reason:
+        return "reproduced, below the declared smallest effect"
     return verdict if claimed_equal or verdict != "equivalent" else "equivalent (no effect either way: not reproduced)"
 
 

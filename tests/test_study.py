@@ -80,7 +80,10 @@ def test_a_study_file_that_cannot_run_is_named(tmp_path, capsys):
 
 def test_verdicts_follow_the_declared_rule(tmp_path):
     spec = write_spec(tmp_path)
-    assert verdict(spec, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "reproduced"
+    word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))  # +0.105 on average
+    assert word == "reproduced" and why.endswith("(adjusted p = 0.00051)")  # t = 0.105 / (0.0129 / 2) = 16.3, 3 df
+    word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35], [0.32, 0.421, 0.519, 0.37]))  # +0.02: below 0.05
+    assert word == "reproduced" and why.endswith(", but smaller than the declared smallest effect of 0.05")
     assert verdict(spec, records([0.3, 0.4, 0.5], [0.1, 0.15, 0.3]))[0] == "refuted"  # clearly lower
     word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505]))
     assert word == "equivalent" and "no effect as large as 0.05 either way" in why

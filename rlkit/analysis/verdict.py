@@ -90,15 +90,17 @@ def judge_equality(spec, d: stats.Difference, p_adj: float) -> tuple[tuple[str, 
 
 
 def judge_direction(spec, d: stats.Difference, p_adj: float) -> tuple[tuple[str, str] | None, int | None]:
-    """A claimed direction (higher or lower): reproduced, equivalent (no effect as large as the
-    smallest either way) or refuted with the reason, else None and the seeds per arm that would
-    decide it."""
+    """A claimed direction (higher or lower): reproduced (a significant difference that way; the
+    reason says when it is smaller than the declared smallest effect), equivalent (no effect as
+    large as the smallest either way) or refuted with the reason, else None and the seeds per arm
+    that would decide it."""
     delta, direction, alpha = spec.primary.smallest_effect, spec.primary.direction, spec.alpha
     lo, hi = bounds(d)
     sign = 1 if direction == "higher" else -1
     if sign * d.diff > 0 and (p_adj < alpha or d.zero_variance):
         how = "in every pair" if d.zero_variance else f"adjusted p = {p_adj:.2g}"
-        return ("reproduced", f"the difference is {direction} than 0 ({how})"), None
+        small = f", but smaller than the declared smallest effect of {delta:g}" if sign * d.diff < delta else ""
+        return ("reproduced", f"the difference is {direction} than 0 ({how}){small}"), None
     tost = d.tost(delta)
     if tost < alpha:
         return (
