@@ -30,8 +30,7 @@ def verdicts(name: str) -> dict | None:
     r = analyse(spec, read_records(folder / "results"), read_plan(folder / "results" / "plan.json"), robust=False)
     claimed_equal = spec.primary.direction == "equal"
     return {
-        arm: (word(*r["verdicts"][arm], claimed_equal), short(r["diffs"][arm].describe()), r)
-        for arm in r["treatments"]
+        arm: (word(*r["verdicts"][arm], claimed_equal), short(r["diffs"][arm].describe()), r) for arm in r["treatments"]
     }
 
 
