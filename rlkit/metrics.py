@@ -170,21 +170,28 @@ def mismatch_metrics(
     log_r = (old_logp - behaviour_logp)[m]  # [tokens]
     if not len(log_r):
         return {}
-    r = torch.exp(log_r)
+    r, hi = torch.exp(log_r), float("inf") if c_max is None else c_max
     return {
         "offpolicy/k3": float((torch.expm1(log_r) - log_r).mean()),
         "offpolicy/ratio_mean": float(r.mean()),
         "offpolicy/ratio_min": float(r.min()),
         "offpolicy/ratio_max": float(r.max()),
         "offpolicy/abs_log_ratio": float(log_r.abs().mean()),
-        "offpolicy/outside_frac": float(((r < c_min) | (r > (c_max or float("inf")))).float().mean()),
+        "offpolicy/outside_frac": float(((r < c_min) | (r > hi)).float().mean()),
     }
 
 
 def update_metrics(stats: UpdateStats) -> dict:
-    """The update's statistics: each loss statistic's token mean and the mean loss and gradient
-    norm over its optimizer steps (none when it was skipped), and the critic's mean value loss."""
-    means = {} if stats.skipped else {"loss": stats.losses, "grad_norm": stats.grad_norms}
-    means = {k: v for k, v in {**means, "value_loss": stats.value_losses}.items() if v}
-    sums = {} if stats.skipped else {k: v / max(stats.tokens, 1.0) for k, v in stats.sums.items()}
-    return {f"train/{k}": v for k, v in {**sums, **{k: sum(v) / len(v) for k, v in means.items()}}.items()}
+    """The update's statistics: each loss statistic's token mean (none over zero tokens) and the
+    mean loss and gradient norm over its optimizer steps (none when it was skipped), and the
+    critic's mean value loss."""
+    out = {}
+    if not stats.skipped:
+        if stats.tokens:
+            out = {f"train/{k}": v / stats.tokens for k, v in stats.sums.items()}
+        if stats.losses:
+            out["train/loss"] = sum(stats.losses) / len(stats.losses)
+            out["train/grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)
+    if stats.value_losses:
+        out["train/value_loss"] = sum(stats.value_losses) / len(stats.value_losses)
+    return out

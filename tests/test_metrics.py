@@ -88,3 +88,15 @@ def test_the_probe_entropy_is_a_plain_forwards_mean_token_entropy_on_fixed_demon
     first = probe_entropy(policy, tokenizer, task, batch_size=5)["eval/probe_entropy"]
     assert first == pytest.approx(total / count, rel=1e-5)
     assert probe_entropy(policy, tokenizer, task, batch_size=12)["eval/probe_entropy"] == pytest.approx(first, rel=1e-6)
+
+
+def test_update_metrics_leave_out_what_no_token_or_step_measured():
+    from rlkit.metrics import update_metrics
+    from rlkit.types import UpdateStats
+
+    measured = UpdateStats(sums={"clip_frac_high": 3.0}, tokens=12.0, losses=[1.0, 2.0], grad_norms=[4.0, 6.0])
+    assert update_metrics(measured) == {"train/clip_frac_high": 0.25, "train/loss": 1.5, "train/grad_norm": 5.0}
+    every_row_dropped = UpdateStats(sums={"clip_frac_high": 0.0}, tokens=0.0, losses=[0.0], grad_norms=[0.0])
+    assert "train/clip_frac_high" not in update_metrics(every_row_dropped)  # missing, not 0
+    skipped = UpdateStats(True, {"kl": 1.0}, 4.0, losses=[1.0], grad_norms=[1.0], value_losses=[0.5])
+    assert update_metrics(skipped) == {"train/value_loss": 0.5}

@@ -301,12 +301,6 @@ def test_a_refused_run_leaves_the_run_directorys_hydra_files_as_they_were(tmp_pa
 @pytest.mark.slow
 def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
     (tmp_path / "mine" / "empty").mkdir(parents=True)
-    out = subprocess.run(
-        [sys.executable, "-m", "rlkit.train", "steps=0", "hydra.run.dir=mine/empty/run"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    out = run_cli(["steps=0", "hydra.run.dir=mine/empty/run"], cwd=tmp_path, timeout=120)
     assert out.returncode == EXIT_BAD_INPUT, out.stderr[-2000:]
     assert (tmp_path / "mine" / "empty").is_dir() and not (tmp_path / "mine" / "empty" / "run").exists()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cli import command, metrics, wait_for
+from cli import command, metrics, train, wait_for
 from conftest import make_cfg
 from rlkit import checkpoint
 from rlkit.checkpoint import check_resume
@@ -47,7 +47,7 @@ class Payload:
 @pytest.mark.slow
 def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache):
     args = ["steps=14", "checkpoint.every=2", "eval.every=3"]
-    ref = subprocess.run(command(tmp_path / "ref", warm_cache, *args), capture_output=True, text=True, timeout=300)
+    ref = train(tmp_path / "ref", warm_cache, *args)
     assert ref.returncode == 0, ref.stderr[-3000:]
     proc = subprocess.Popen(command(tmp_path / "run", warm_cache, *args), stderr=subprocess.PIPE, text=True)
     wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_000004").exists(), proc)
@@ -55,7 +55,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache
     assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
     partial = metrics(tmp_path / "run")
     assert partial[-1]["step"] < 14
-    again = subprocess.run(command(tmp_path / "run", warm_cache, *args), capture_output=True, text=True, timeout=300)
+    again = train(tmp_path / "run", warm_cache, *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stderr
     assert metrics(tmp_path / "run") == metrics(tmp_path / "ref")
@@ -235,18 +235,11 @@ def test_starting_over_moves_the_older_run_aside_and_keeps_every_new_checkpoint(
 @pytest.mark.slow
 def test_starting_over_moves_the_earlier_runs_hydra_record_with_it(tmp_path, warm_cache):
     run_dir = tmp_path / "run"
-    first = subprocess.run(
-        command(run_dir, warm_cache, "steps=1", "seed=3"), capture_output=True, text=True, timeout=300
-    )
+    first = train(run_dir, warm_cache, "steps=1", "seed=3")
     assert first.returncode == 0, first.stderr[-3000:]
     earlier = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
     assert "seed=3" in earlier["overrides.yaml"]
-    again = subprocess.run(
-        command(run_dir, warm_cache, "steps=1", "seed=4", "checkpoint.resume=false"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = train(run_dir, warm_cache, "steps=1", "seed=4", "checkpoint.resume=false")
     assert again.returncode == 0, again.stderr[-3000:]
     (previous,) = (run_dir / "previous_runs").iterdir()
     assert {p.name: p.read_text() for p in (previous / ".hydra").iterdir()} == earlier

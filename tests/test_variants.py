@@ -1,13 +1,11 @@
 """Every algo preset and every group option composes and runs two steps; the plugin route works."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli import run_cli
 from conftest import make_cfg
 from helpers import SIGN_ONLY, write_plugin
 from rlkit.train import run
@@ -125,11 +123,8 @@ def test_dynamic_sampling_with_groups_of_one_is_refused_early(tmp_path):
 
 
 def cli(args, tmp_path, **env):
-    return subprocess.run(
+    return run_cli(
         [
-            sys.executable,
-            "-m",
-            "rlkit.train",
             *args,
             "steps=1",
             "warm_start.steps=0",
@@ -142,10 +137,7 @@ def cli(args, tmp_path, **env):
             "model.num_layers=1",
             f"hydra.run.dir={tmp_path}",
         ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **env},
+        env=env,
     )
 
 
