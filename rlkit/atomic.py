@@ -39,17 +39,17 @@ def staged(final: Path, what: str):
     StorageError naming `what`."""
     final = Path(final)
     tmp = final.with_name(f".tmp_{final.name}.{os.getpid()}")
-    _remove(tmp)
+    remove(tmp)
     try:
         yield tmp
         if final.is_dir() and tmp.is_dir():
-            _remove(final)
+            remove(final)
         os.replace(tmp, final)
     except BaseException as e:
         full = (
             isinstance(e, Exception) and not isinstance(e, OSError) and (says_full(e) or _disk_full(final.parent))
         )  # before the partial file is freed
-        _remove(tmp)
+        remove(tmp)
         if isinstance(e, OSError) or full:
             why = describe(e) if isinstance(e, OSError) else f"no space left on the device ({e})"
             raise StorageError(
@@ -72,7 +72,8 @@ def write_text(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
+    """Remove a file, a link or a whole folder; nothing when it is not there."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:

@@ -21,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlkit import parallel
+from rlkit import atomic, parallel
 from rlkit.atomic import sha256, staged
 from rlkit.components import ConfigError
 from rlkit.config import resolved
 from rlkit.guards import NonFiniteError, all_finite
+from rlkit.rundir import HYDRA_FILES
 from rlkit.state import Progress, Run
 
 STATE, MANIFEST = "trainer_state.pt", "manifest.json"
@@ -140,44 +141,67 @@ def load_state(path: Path) -> dict:
 
 # ---- which checkpoint resumes which run -----------------------------------------------------------------------
 
-RESUME_KEYS = (
-    "seed",
-    "advantage",
-    "aggregator",
-    "sampler",
-    "task",
-    "model",
-    "rollout",
-    "loss",
-    "reward",
-    "optim",
-    "warm_start",
-    "parallel",
-)  # a sharded optimizer state is keyed by parameter name, not by position
+# What a resumed run may change: where and how fast it runs (the last digits of its numbers may
+# differ), what it logs, when it evaluates and checkpoints, how long it runs (`steps`, not below the
+# checkpoint's step), where the warm-start and model caches live and a reward call's time limit. Every other
+# key of every group shapes training, and a difference is refused naming the keys.
+MAY_CHANGE = (
+    "steps",
+    "device",
+    "threads",
+    "portable",
+    "logger",
+    "samples_every",
+    "eval",
+    "checkpoint",
+    "warm_start.cache_dir",
+    "model.cache_dir",
+    "reward.timeout_s",
+)
 
 
-def _training_key(cfg: dict, key: str):
-    value = cfg.get(key)
-    if key in ("warm_start", "reward") and value:  # the cache may move; a time limit does not shape training
-        value = {k: v for k, v in value.items() if k not in ("cache_dir", "timeout_s")}
-    return value
+def changed_keys(saved, now, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two resolved configs, with their two values; a
+    group whose class differs is named once, by its `_target_`s."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        if saved.get("_target_") != now.get("_target_"):
+            return [f"{prefix.rstrip('.')} ({saved.get('_target_')} -> {now.get('_target_')})"]
+        keys = [k for k in sorted({*saved, *now}, key=str) if f"{prefix}{k}" not in MAY_CHANGE]
+        return [d for k in keys for d in changed_keys(saved.get(k), now.get(k), f"{prefix}{k}.")]
+    return [] if saved == now else [f"{prefix.rstrip('.')} ({saved!r} -> {now!r})"]
 
 
 def check_resume(saved: dict | None, now: dict, path) -> None:
-    """A checkpoint resumes only the run that wrote it: the keys that shape training must match."""
+    """A checkpoint resumes only the run that wrote it: every key outside `MAY_CHANGE` must match."""
     if saved is None:
         return
-    diff = [k for k in RESUME_KEYS if _training_key(saved, k) != _training_key(now, k)]
+    diff = changed_keys(saved, now)
     if diff:
+        shown = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
         raise ConfigError(
-            f"the checkpoint {path} was written with different {', '.join(diff)}; "
+            f"the checkpoint {path} was written with different {shown}; "
             "use a new hydra.run.dir or checkpoint.resume=false to start over"
         )
 
 
+def check_progress(state: dict, cfg, digest: dict, path) -> None:
+    """The run may go on from the checkpoint: `steps` not below its step, and the task's rows (their
+    SHA-256 per split) the ones it trained on."""
+    if state["step"] > cfg.steps:
+        raise ConfigError(
+            f"steps={cfg.steps} is below the step of the checkpoint {path} ({state['step']}); "
+            f"give steps >= {state['step']}, or checkpoint.resume=false to start over"
+        )
+    for split, sha in (state.get("data") or {}).items():
+        if digest.get(split) != sha:
+            raise ConfigError(
+                f"the task's {split} rows differ from those the checkpoint {path} was trained on (the data "
+                "changed since); restore them, or use a new hydra.run.dir or checkpoint.resume=false to start over"
+            )
+
+
 # ---- a run's checkpoints: save every process's part, resume, or set an earlier run aside ----------------------
 
-HYDRA_FILES = {".hydra", "train.log", ".rlkit.lock"}  # what Hydra and the lock write for every run
 PREVIOUS = "previous_runs"
 
 
@@ -212,6 +236,7 @@ def save_run(run: Run, step: int) -> Path:
             "last_eval": p.last_eval,
             "run_id": rt.logger.run_id,
             "config": resolved(run.cfg),
+            "data": parts.task.digest,
             "wall_s": run.wall_s(),
         },
         keep=run.cfg.checkpoint.keep,
@@ -235,15 +260,14 @@ def resume(run: Run) -> None:
     except UnsafeCheckpoint as e:
         raise ConfigError(str(e)) from None
     check_resume(state.get("config"), resolved(run.cfg), last)
-    run.runtime.parallel.load_policy(parts.model, parts.policy, parts.optimizer, last / "policy", state["optimizer"])
-    parts.schedule.load_state_dict(state["schedule"])
-    if parts.critic is not None:
-        parts.critic.load(last / "critic")
-        parts.critic.load_state_dict(state["critic_optimizer"])
-    parts.sampler.load_state_dict(state["sampler"])
-    parts.engine.load_state_dict(state.get("engine", {}))
-    parts.loss.load_state_dict(state.get("loss", {}))
-    set_rng_state(state["rng_ranks"][run.runtime.rank % len(state["rng_ranks"])])
+    check_progress(state, run.cfg, parts.task.digest, last)
+    try:
+        load_parts(run, last, state)
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:  # a checkpoint of another shape, from another version
+        raise ConfigError(
+            f"the checkpoint {last} does not fit this run ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
+            "use a new hydra.run.dir or checkpoint.resume=false to start over"
+        ) from e
     run.progress = Progress(
         state["step"],
         state.get("first_eval") or {},
@@ -253,6 +277,29 @@ def resume(run: Run) -> None:
         state.get("run_id"),
     )
     print(f"rlkit: resuming from {last} (step {state['step']})", file=sys.stderr)
+
+
+def load_parts(run: Run, last: Path, state: dict) -> None:
+    """Weights, optimizers, sampler position, the engine's and the loss's state and the RNG from a checkpoint."""
+    parts = run.parts
+    run.runtime.parallel.load_policy(parts.model, parts.policy, parts.optimizer, last / "policy", state["optimizer"])
+    parts.schedule.load_state_dict(state["schedule"])
+    if parts.critic is not None:
+        parts.critic.load(last / "critic")
+        parts.critic.load_state_dict(state["critic_optimizer"])
+    parts.sampler.load_state_dict(state["sampler"])
+    parts.engine.load_state_dict(state.get("engine", {}))
+    parts.loss.load_state_dict(state.get("loss", {}))
+    set_rng_state(state["rng_ranks"][run.runtime.rank % len(state["rng_ranks"])])
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> None:
+    """Temporary files and folders of writers that died mid-write (`.tmp_<name>.<pid>`, a whole model
+    copy for a checkpoint). Called by the run that holds the directory's lock, so no live writer owns them."""
+    for folder in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        for tmp in folder.glob(".tmp_*"):
+            if tmp.name.rsplit(".", 1)[-1] != str(os.getpid()):
+                atomic.remove(tmp)
 
 
 def set_aside(run_dir: str, earlier_hydra: dict | None = None) -> Path | None:

@@ -23,14 +23,15 @@ from rlkit.signals import Preempted, StopSignals
 from rlkit.state import Run
 
 
-def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
+def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None, locked: bool = False) -> dict:
     """Train as `cfg` says, writing to `run_dir`; `run_info` carries the chosen options (`choices`)
-    and sweep name for the logger."""
+    and sweep name for the logger. `locked`: the caller holds the run directory's lock already
+    (`rlkit-train` takes it before Hydra writes there); else rank 0 takes it here."""
     t0 = time.perf_counter()
     rank, world = parallel.init(cfg.device)
     agreed = False  # whether every rank ends here the same way (finished, or stopped after the same step)
     try:
-        summary = run_steps(cfg, run_dir, run_info or {}, rank, world, t0)
+        summary = run_steps(cfg, run_dir, run_info or {}, rank, world, t0, locked)
         agreed = True
         return summary
     except (Preempted, NonFiniteError):  # decided on every rank after the same step
@@ -40,11 +41,14 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None) -> dict:
         parallel.close(agreed)
 
 
-def run_steps(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, t0: float) -> dict:
+def run_steps(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, t0: float, locked: bool) -> dict:
     components = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
     check_portable(cfg.portable)
     check_writable(run_dir, "hydra.run.dir")
-    with RunDirLock(run_dir) if rank == 0 else nullcontext(), StopSignals() as stop:  # SIGTERM/SIGINT: finish the step
+    with (
+        RunDirLock(run_dir) if rank == 0 and not locked else nullcontext(),
+        StopSignals() as stop,
+    ):  # SIGTERM/SIGINT: finish the step
         run = setup(cfg, run_dir, run_info, components, stop)
         run.runtime.t0 = t0
         if stop.received:

@@ -205,6 +205,7 @@ def start_logging(run: Run, c: Components, run_info: dict, warm: dict):
         "processes": c.parallel.world,
         "parallel": type(c.parallel).__name__,
         "hardware": hardware(run.runtime.device),
+        **({"job": run_info["job"]} if "job" in run_info else {}),  # its number in a sweep
     }
     atomic.write_text(Path(run_dir, "run.json"), json.dumps(info, indent=1))
     return logger
@@ -226,6 +227,8 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components 
     run = Run(
         cfg, parts, Progress(), Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite))
     )
+    if rank == 0:  # it holds the directory's lock: temporary files there are of writers that died
+        checkpoint.remove_stale_temporaries(run_dir)
     if rank == 0 and not cfg.checkpoint.resume:
         checkpoint.set_aside(run_dir, run_info.get("earlier_hydra"))
     if cfg.checkpoint.resume:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import hydra
@@ -18,13 +18,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit import atomic, parallel
-from rlkit.checkpoint import HYDRA_FILES
+from rlkit import atomic, parallel, rundir, sweeps
 from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE
 from rlkit.guards import NonFiniteError
 from rlkit.hardware import PORTABLE_ENV
-from rlkit.locks import check_writable
+from rlkit.locks import RunDirInUse
 from rlkit.session import run
 from rlkit.signals import Preempted, StoppedAtOnce
 from rlkit.tasks.base import TaskError
@@ -34,72 +33,35 @@ PEER_GRACE_S = 5.0
 
 class ComposeCheck(Callback):
     """Notes that Hydra composed the config, so `rlkit-train` can tell a composition error (bad
-    input, exit 2) from a failure inside a run. Before Hydra writes into the run directory it checks
-    that the directory is writable (else exit 2 naming the key) and keeps the `.hydra/` files an
-    earlier run left there, so that a refused run can put them back (`restore_hydra_files`)."""
+    input, exit 2) from a failure inside a run. Before Hydra writes into a single run's directory
+    it claims it (`rundir.claim`: the folders it makes, the lock, the `.hydra/` files an earlier run
+    left), so that a refused run undoes only its own traces. A sweep's end names its failed jobs."""
 
     composed = False
-    saved: dict = {}  # path -> bytes of the run directory's .hydra files before this run
-    existed: set = set()  # the run directory and the folders above it that existed before this run
+    claim: rundir.Claim | None = None  # a single run's claim on its directory
+    sweep_started = 0.0
+    sweep_failed: tuple[int, str] | None = None  # (exit code, closing line) when jobs of the sweep failed
 
     def on_run_start(self, config, **kwargs) -> None:
         ComposeCheck.composed = True
         run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir")))
-        ComposeCheck.existed = {q for q in (run_dir.resolve(), *run_dir.resolve().parents) if q.is_dir()}
-        try:
-            check_writable(run_dir, "hydra.run.dir")
+        subdir = str(OmegaConf.select(config, "hydra.output_subdir") or ".hydra")
+        try:  # the ranks of one launch share the directory; rank 0 holds its lock
+            ComposeCheck.claim = rundir.claim(run_dir, subdir, lock=parallel.launch_rank() == 0)
         except ConfigError as e:
             print(f"rlkit: error: {e}", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
-        hydra_dir = run_dir / str(OmegaConf.select(config, "hydra.output_subdir") or ".hydra")
-        # the ranks of one launch write the same files: another rank's are not an earlier run's
-        ComposeCheck.saved = (
-            {p: p.read_bytes() for p in hydra_dir.glob("*.yaml") if not since_launch(p)} if hydra_dir.is_dir() else {}
-        )
 
     def on_multirun_start(self, config, **kwargs) -> None:
         ComposeCheck.composed = True
+        ComposeCheck.sweep_started = time.time()
 
-
-def discard_refused(run_dir: str) -> None:
-    """After a refused run: put back the `.hydra/` files an earlier run had in `run_dir`; or, when
-    the directory holds nothing but Hydra's own files of this run, remove it and the folders above
-    it that this run created, up to the working directory. With several processes, rank 0 alone
-    does it (the others wrote the same files, and may have made the directory first)."""
-    existed = ComposeCheck.existed
-    if int(os.environ.get("RANK", "0")):
-        return
-    if ComposeCheck.saved:
-        for p, data in ComposeCheck.saved.items():
-            p.write_bytes(data)
-        return
-    path, cwd = Path(run_dir).resolve(), Path.cwd().resolve()
-    ours = path not in existed or all(since_launch(f) for f in path.rglob("*"))
-    if (
-        path == cwd
-        or cwd not in path.parents
-        or not path.is_dir()
-        or not {p.name for p in path.iterdir()} <= HYDRA_FILES
-        or not ours
-    ):
-        return
-    shutil.rmtree(path, ignore_errors=True)
-    for parent in path.parents:
-        if parent == cwd or parent in existed or any(parent.iterdir()):
-            break
-        parent.rmdir()
-
-
-def since_launch(path: Path) -> bool:
-    """Whether `path` was written since this launch of several processes started (never with one process)."""
-    launched = parallel.launch_time()
-    return launched is not None and path.stat().st_mtime >= launched.timestamp()
-
-
-def earlier_hydra_files() -> dict:
-    """The `.hydra/` files an earlier run left in the run directory (relative name -> bytes), which Hydra has
-    now overwritten with this run's: `checkpoint.resume=false` moves them aside with that run."""
-    return {f"{p.parent.name}/{p.name}": data for p, data in ComposeCheck.saved.items()}
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = str(OmegaConf.select(config, "hydra.sweep.dir"))
+        failed = sweeps.failures(sweep_dir, since=ComposeCheck.sweep_started)
+        if failed:
+            listed = sweeps.jobs(sweep_dir)
+            ComposeCheck.sweep_failed = sweeps.summary(failed, len(listed) if listed is not None else None)
 
 
 def hydra_run_info() -> dict:
@@ -107,7 +69,7 @@ def hydra_run_info() -> dict:
     hc = HydraConfig.get()
     info = {"choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None}}
     if hc.mode == RunMode.MULTIRUN:
-        info.update(sweep=Path(hc.sweep.dir).name, name=hc.job.override_dirname or None)
+        info.update(sweep=Path(hc.sweep.dir).name, name=hc.job.override_dirname or None, job=hc.job.num)
         jobs = OmegaConf.select(hc, "launcher.n_jobs")
         if jobs is not None:  # parallel jobs share the cores
             cores = os.cpu_count() or 1
@@ -124,40 +86,73 @@ def config_path() -> str:
     return str(Path(__file__).resolve().parents[1] / "conf")
 
 
+def ending(e: BaseException) -> tuple[int, str] | None:
+    """The exit code and the one line `rlkit-train` prints for an error it reports without a
+    traceback; None for any other error."""
+    if isinstance(e, (ConfigError, TaskError)):
+        return EXIT_BAD_INPUT, f"rlkit: error: {e}"
+    if isinstance(e, NonFiniteError):
+        return EXIT_NON_FINITE, f"rlkit: error: {e}"
+    if isinstance(e, (Preempted, StoppedAtOnce)):
+        return EXIT_PREEMPTED, f"rlkit: {e}"
+    if isinstance(e, OSError) and atomic.storage_failed(e):
+        return EXIT_STORAGE, (
+            f"rlkit: error: {atomic.describe_write(e)}; earlier checkpoints are intact: free space and rerun the same "
+            "command to resume"
+        )
+    if isinstance(e, Exception) and parallel.peer_failed(e):
+        return 1, (
+            "rlkit: error: another process of this run failed (its message is above); stopping this one "
+            f"({type(e).__name__})"
+        )
+    return None
+
+
 @hydra.main(version_base=None, config_path=config_path(), config_name="config")
 def app(cfg: DictConfig) -> dict | None:
-    run_dir = HydraConfig.get().runtime.output_dir
+    hc = HydraConfig.get()
+    run_dir, claim = hc.runtime.output_dir, ComposeCheck.claim
+    info = {**hydra_run_info(), "earlier_hydra": claim.earlier_hydra() if claim else {}}
     try:
-        return run(cfg, run_dir, {**hydra_run_info(), "earlier_hydra": earlier_hydra_files()})
-    except (ConfigError, TaskError) as e:
-        print(f"rlkit: error: {e}", file=sys.stderr)
-        discard_refused(run_dir)
-        sys.exit(EXIT_BAD_INPUT)
-    except NonFiniteError as e:
-        print(f"rlkit: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_NON_FINITE)
-    except (Preempted, StoppedAtOnce) as e:
-        print(f"rlkit: {e}", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
-    except OSError as e:
-        if not atomic.storage_failed(e):
-            raise
-        print(
-            f"rlkit: error: {atomic.describe_write(e)}; earlier checkpoints are intact: free space and rerun the same "
-            "command to resume",
-            file=sys.stderr,
-        )
-        sys.exit(EXIT_STORAGE)
+        summary = run(cfg, run_dir, info, locked=claim is not None and claim.lock is not None)
     except Exception as e:
-        if not parallel.peer_failed(e):
-            raise
-        print(
-            f"rlkit: error: another process of this run failed (its message is above); stopping this one "
-            f"({type(e).__name__})",
-            file=sys.stderr,
-        )
+        if hc.mode == RunMode.MULTIRUN and not isinstance(e, Preempted):
+            return sweep_job_failed(e, run_dir, hc)
+        stop(e, claim)
+    except StoppedAtOnce as e:
+        stop(e, claim)
+    if hc.mode == RunMode.MULTIRUN:
+        sweeps.clear_failure(run_dir)
+    return summary
+
+
+def stop(e: BaseException, claim: rundir.Claim | None):
+    """Exit with `e`'s code and line (a refused run undoing its claim first); a traceback for other errors."""
+    ended = ending(e)
+    if ended is None:
+        raise e
+    code, line = ended
+    print(line, file=sys.stderr)
+    if code == EXIT_BAD_INPUT and claim is not None and not isinstance(e, RunDirInUse):
+        claim.undo()
+    if code == 1:
         time.sleep(PEER_GRACE_S)  # let the failing process exit first, so the launcher reports its own code
-        sys.exit(1)
+    sys.exit(code)
+
+
+def sweep_job_failed(e: Exception, run_dir: str, hc) -> None:
+    """A failed job of a sweep: its message (or traceback) printed, the failure recorded in its own
+    folder (not in a folder another live run holds), and the sweep goes on."""
+    ended = ending(e)
+    if ended is None:
+        traceback.print_exc()
+    code, line = ended or (1, "".join(traceback.format_exception_only(type(e), e)))
+    if ended is not None:
+        print(line, file=sys.stderr)
+    if not isinstance(e, RunDirInUse):
+        error = line.removeprefix("rlkit: ").removeprefix("error: ")
+        sweeps.record_failure(run_dir, hc.job.num, list(hc.overrides.task), code, error)
+    return None
 
 
 def main() -> None:
@@ -175,6 +170,10 @@ def main() -> None:
         OmegaConf.register_new_resolver("now", launched.strftime, use_cache=True, replace=True)
     try:
         app()
+        if ComposeCheck.sweep_failed is not None:
+            code, line = ComposeCheck.sweep_failed
+            print(line, file=sys.stderr)
+            sys.exit(code)
     except SystemExit as e:
         if e.code == 1 and not ComposeCheck.composed:
             print(

@@ -6,6 +6,7 @@ import json
 import torch
 
 from rlkit.components import AdvantageEstimator
+from rlkit.tasks.arithmetic import Arithmetic
 from rlkit.types import Rollout
 
 
@@ -39,6 +40,28 @@ class NaNOnCalls(AdvantageEstimator):
         self.n += 1
         adv = self.inner(rollout)
         return adv * float("nan") if self.n in self.calls else adv
+
+
+class CrashesOnCall(NaNOnCalls):
+    """GRPO that raises a RuntimeError on the given (1-based) calls: a plugin that crashes mid-run."""
+
+    def __call__(self, rollout, values=None):
+        if self.n + 1 in self.calls:
+            raise RuntimeError(f"plugin crashed on call {self.n + 1}")
+        return super().__call__(rollout, values)
+
+
+class CrashingArithmetic(Arithmetic):
+    """The testbed, with a bug that crashes the run outside any plugin call rlkit checks: its
+    per-step metrics raise on the second step."""
+
+    calls = 0
+
+    def step_metrics(self):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("task bug in step_metrics")
+        return {}
 
 
 def raising_reward(row, completion):
@@ -138,6 +161,24 @@ class HangingReward:
         while True:
             if self.blocked:
                 time.sleep(3600)
+
+
+class WaitsForFile:
+    """The task's reward, built only once the file `path` exists: a run held in its set-up (after
+    rlkit-train claimed the directory, before training) for as long as a test needs. It says that
+    it waits by creating `path`.waiting."""
+
+    def __init__(self, path: str, weight: float = 1.0):
+        import os
+        import time
+
+        open(f"{path}.waiting", "w").close()
+        while not os.path.exists(path):
+            time.sleep(0.02)
+        self.weight = weight
+
+    def __call__(self, row, completion, task):
+        return task.reward(row, completion)
 
 
 class NumpyReward:

@@ -9,7 +9,7 @@ import torch
 
 from cli import run_cli
 from conftest import make_cfg
-from helpers import GOOD, file_task
+from helpers import GOOD, file_task, write_jsonl
 from rlkit.exits import EXIT_BAD_INPUT
 from rlkit.metrics import by_difficulty
 from rlkit.tasks.base import TaskError
@@ -107,6 +107,16 @@ def test_csv_files_empty_with_a_bom_or_with_bad_difficulties_are_named(tmp_path)
     words = write_csv(tmp_path / "words.csv", "prompt,answer,difficulty\n1+1=,2,1\n2+2=,4,hard\n")
     with pytest.raises(TaskError, match=r"task.train row 1 has difficulty 'hard'; the difficulty column must hold"):
         FileTask(words, words, format="csv")
+
+
+def test_a_column_named_twice_is_refused_naming_it(tmp_path):
+    csv = write_csv(tmp_path / "twice.csv", "prompt,answer,prompt\n1+1=,2,3+3=\n")
+    with pytest.raises(TaskError, match=r"task.train_path: .*twice.csv.*names the column 'prompt' twice"):
+        FileTask(csv, csv, format="csv")
+    jsonl = tmp_path / "twice.jsonl"
+    jsonl.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4", "prompt": "3+3="}\n')
+    with pytest.raises(TaskError, match=r"task.eval_path: .*twice.jsonl.*names the key 'prompt' twice"):
+        FileTask(write_jsonl(tmp_path / "ok.jsonl", GOOD), str(jsonl), format="json")
 
 
 @pytest.mark.slow

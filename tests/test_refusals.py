@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from cli import TESTS, metrics, run_cli, train
+from cli import TESTS, command, metrics, run_cli, train, wait_for
 from conftest import FAST, make_cfg
 from helpers import GOOD, file_task
 from rlkit.config import ConfigError, numbers
@@ -304,3 +304,31 @@ def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
     out = run_cli(["steps=0", "hydra.run.dir=mine/empty/run"], cwd=tmp_path, timeout=120)
     assert out.returncode == EXIT_BAD_INPUT, out.stderr[-2000:]
     assert (tmp_path / "mine" / "empty").is_dir() and not (tmp_path / "mine" / "empty" / "run").exists()
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` by relative name, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_run_refused_for_a_live_directory_touches_nothing_of_the_live_run(tmp_path, warm_cache):
+    run_dir, go = tmp_path / "run", tmp_path / "go"
+    held = ["++reward.functions.wait._target_=helpers.WaitsForFile", f"++reward.functions.wait.path={go}"]
+    env = {**os.environ, "PYTHONPATH": TESTS}
+    live = subprocess.Popen(command(run_dir, warm_cache, *held), stderr=subprocess.PIPE, text=True, env=env)
+    try:  # the live run has claimed the directory, Hydra has written its files, and set-up waits on `go`
+        wait_for(lambda: Path(f"{go}.waiting").exists(), live)
+        before = snapshot(run_dir)
+        assert {".hydra/config.yaml", ".rlkit.lock", "train.log"} <= set(before)
+        for extra in ([], ["seed=5"], ["steps=0"]):  # a run that would train, another config, bad input
+            refused = train(run_dir, warm_cache, *extra)
+            assert refused.returncode == EXIT_BAD_INPUT, refused.stderr[-3000:]
+            assert f"in use by a live run (pid {live.pid})" in refused.stderr
+            assert snapshot(run_dir) == before  # its .hydra, log and lock as the live run wrote them
+        go.touch()
+        assert live.wait(timeout=300) == 0, live.stderr.read()[-3000:]
+    finally:
+        live.kill()
+    assert [l["step"] for l in metrics(run_dir)] == [0, 1, 2]  # one run's steps, each once
+    assert "seed: 0" in (run_dir / ".hydra" / "config.yaml").read_text()

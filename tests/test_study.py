@@ -5,6 +5,7 @@ composes, and a tiny study runs end to end through real training runs, killed an
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -299,6 +300,15 @@ def damaged_study_files_are_named(folder, readme, capsys):
     assert "cannot be read as a study file" in err and "Traceback" not in err
     Path(study).write_text(declared)
     assert study_main([study, "--analyse-only"]) == 0 and (folder / "README.md").read_text() == readme
+
+
+@pytest.mark.parametrize("arm", ["/tmp/x/abs_arm", "../../../../rel_arm", "a/b", "..", ".hidden", "a b"])
+def test_an_arm_name_that_would_write_outside_the_study_is_refused(tmp_path, arm):
+    for group in ("arms", "controls"):
+        arms = {"b": ["algo=grpo"], "t": ["algo=dr_grpo"]}
+        extra = {"controls": {arm: ["reward.shuffle=group"]}, "learning": {}} if group == "controls" else {}
+        with pytest.raises(StudyError, match=f"arm name {re.escape(repr(arm))} must be a plain name"):
+            write_spec(tmp_path, **({"arms": {**arms, arm: ["algo=rloo"]}} if group == "arms" else extra))
 
 
 def test_an_arm_written_as_a_string_is_refused_not_split_into_characters(tmp_path):

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -10,11 +11,13 @@ import wandb
 from hydra import compose, initialize_config_module
 from matplotlib.image import imread
 
-from cli import sweep
-from conftest import make_cfg
+from cli import metrics, run_cli, sweep
+from conftest import FAST, make_cfg
 from helpers import write_jsonl
+from rlkit import sweeps
 from rlkit.analysis.compare import main as compare_main
 from rlkit.analysis.stats import mean_ci
+from rlkit.exits import EXIT_BAD_INPUT
 from rlkit.train import run
 from wandb_files import read_records
 
@@ -29,6 +32,51 @@ def test_multirun_over_two_variants_writes_two_run_directories(tmp_path, warm_ca
     for p, adv in zip(runs, ("grpo", "rloo")):
         assert json.loads((p / "run.json").read_text())["choices"]["advantage"] == adv
         assert [json.loads(l)["step"] for l in (p / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def job_folders(sweep_dir) -> dict:
+    """Job number -> folder of a sweep."""
+    return {int(p.name.split("_")[0]): p for p in sweep_dir.iterdir() if p.is_dir()}
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_every_job_records_each_failure_and_compare_names_them(tmp_path, warm_cache):
+    crashing = "task._target_=helpers.CrashingArithmetic,rlkit.tasks.arithmetic.Arithmetic"
+    out = sweep(tmp_path / "sweep", warm_cache, "steps=3", crashing, "optim.lr=-1,1e-4")  # joblib, 2 at a time
+    assert out.returncode == 1, out.stderr[-3000:]  # its jobs failed in different ways (2 and 1)
+    assert "rlkit: 3 of 4 jobs failed, the others ran: job 0 in" in out.stderr
+    records = {r["job"]: r for _, r in sweeps.failures(tmp_path / "sweep")}
+    assert {j: r["exit_code"] for j, r in records.items()} == {0: 2, 1: 1, 2: 2}
+    assert records[0]["error"] == records[2]["error"] == "optim.lr must be > 0, got -1.0"
+    assert records[1]["error"] == "RuntimeError: task bug in step_metrics" and "Traceback" in out.stderr
+    folders = job_folders(tmp_path / "sweep")
+    assert [l["step"] for l in metrics(folders[1])] == [0, 1]  # the crashed job keeps what it logged
+    assert [l["step"] for l in metrics(folders[3])] == [0, 1, 2, 3] and (folders[3] / "summary.json").exists()
+    shutil.rmtree(folders[2])
+    assert compare_main([str(tmp_path / "sweep"), "--by", "task._target_", "--include-unfinished"]) == 0
+    md = (tmp_path / "sweep" / "compare" / "compare.md").read_text()
+    assert f"job 0 ({folders[0]}) failed with exit code 2: optim.lr must be > 0, got -1.0" in md
+    assert f"job 1 ({folders[1]}) failed with exit code 1: RuntimeError: task bug in step_metrics" in md
+    assert re.search(r"job 2 of the sweep \([^)]*optim.lr=-1[^)]*\) left no run record", md)
+    assert "job 3" not in md
+
+
+@pytest.mark.slow
+def test_a_failed_job_of_a_sweep_on_the_basic_launcher_keeps_its_folder_and_the_next_job_runs(tmp_path, warm_cache):
+    args = [
+        "-m",
+        *FAST,
+        "optim.lr=-1,1e-4",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        f"warm_start.cache_dir={warm_cache}",
+    ]
+    out = run_cli(args)
+    assert out.returncode == EXIT_BAD_INPUT, out.stderr[-3000:]  # every failure was bad input
+    assert "rlkit: 1 of 2 jobs failed, the others ran: job 0 in" in out.stderr
+    folders = job_folders(tmp_path / "sweep")
+    assert json.loads((folders[0] / "failed.json").read_text())["exit_code"] == EXIT_BAD_INPUT
+    assert (folders[0] / ".hydra" / "overrides.yaml").exists()  # the job's own record of what it was
+    assert (folders[1] / "summary.json").exists() and not (folders[1] / "failed.json").exists()
 
 
 @pytest.mark.parametrize(
@@ -165,6 +213,22 @@ def test_compare_keeps_the_last_of_repeated_steps_and_says_so(tmp_path, capsys):
     assert compare_main([str(tmp_path), "--by", "algo"]) == 0
     out = capsys.readouterr()
     assert "has step 0 more than once" in out.err and "0.400" in out.out
+
+
+def test_compare_names_unreadable_run_records_and_bad_metrics_records_and_goes_on(tmp_path, capsys):
+    write_run(tmp_path, "good", {"algo": "grpo"}, [(0, 0.1), (1, 0.5)], 3.0)
+    write_run(tmp_path, "torn", {"algo": "grpo"}, [(0, 0.2), (1, 0.6)], 3.0)
+    (tmp_path / "torn" / "run.json").write_text('{"choices": {"alg')
+    write_run(tmp_path, "list", {"algo": "grpo"}, [(0, 0.2)], 3.0)
+    (tmp_path / "list" / "run.json").write_text("[1, 2]")
+    with (tmp_path / "good" / "metrics.jsonl").open("a") as f:
+        f.write('{"eval/accuracy": 0.9}\n[1, 2]\n{"step": "2", "eval/accuracy": 0.9}\n')
+    assert compare_main([str(tmp_path), "--by", "algo"]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'torn' / 'run.json'} cannot be read (JSONDecodeError" in err
+    assert f"{tmp_path / 'list' / 'run.json'} cannot be read (ValueError: not a run record" in err
+    assert f"{tmp_path / 'good' / 'metrics.jsonl'} has 3 records that are not objects with an integer step" in err
+    assert "| grpo | 1 | 0.500 |" in (tmp_path / "compare" / "compare.md").read_text()
 
 
 def test_compare_refuses_a_metric_nobody_logged(tmp_path, capsys, warm_cache):

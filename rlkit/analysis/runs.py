@@ -24,6 +24,7 @@ class RunHistory:
     finished: bool = True  # summary.json written (the run reached its last step)
     nonfinite: dict = field(default_factory=dict)  # metric -> steps where it was logged as nan or inf
     warned: set = field(default_factory=set)  # metrics whose non-finite steps were already named
+    job: int | None = None  # its number in a Hydra sweep
 
     @property
     def last_step(self) -> int:
@@ -69,10 +70,21 @@ def from_rows(
 
 
 def load_run(d: Path, name: str) -> RunHistory:
+    """The run in directory `d`; a `run.json` that is not rlkit's raises ValueError naming the file,
+    and metrics records that are not objects with an integer step are left out, and said."""
     from rlkit.sinks import flatten, read_jsonl
 
     meta = json.loads((d / "run.json").read_text())
-    rows = read_jsonl(d / "metrics.jsonl")
+    if not (isinstance(meta, dict) and isinstance(meta.get("config"), dict) and isinstance(meta.get("choices"), dict)):
+        raise ValueError("not a run record of rlkit's (an object with 'config' and 'choices')")
+    records = read_jsonl(d / "metrics.jsonl")
+    rows = [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)]
+    if len(rows) < len(records):
+        bad = next(r for r in records if r not in rows)
+        warn(
+            f"{d / 'metrics.jsonl'} has {len(records) - len(rows)} records that are not objects with an integer "
+            f"step (the first: {json.dumps(bad)[:80]}); left out"
+        )
     repeated = sorted(s for s, n in Counter(r["step"] for r in rows).items() if n > 1)
     if repeated:
         warn(
@@ -81,16 +93,43 @@ def load_run(d: Path, name: str) -> RunHistory:
         )
     summary = d / "summary.json"
     wall = json.loads(summary.read_text()).get("wall_s") if summary.exists() else None
-    return from_rows(name, {**flatten(meta["config"]), **meta["choices"]}, rows, summary.exists(), wall)
+    run = from_rows(name, {**flatten(meta["config"]), **meta["choices"]}, rows, summary.exists(), wall)
+    run.job = meta.get("job")
+    return run
 
 
 def load_runs(root: Path) -> list[RunHistory]:
-    """Every directory under `root` holding run.json and metrics.jsonl."""
-    return [
-        load_run(info.parent, str(info.parent.relative_to(root)) if info.parent != root else root.name)
-        for info in sorted(root.rglob("run.json"))
-        if (info.parent / "metrics.jsonl").exists()
-    ]
+    """Every directory under `root` holding run.json and metrics.jsonl; one that cannot be read is
+    named and left out. Under a sweep's folder, its failed and missing jobs are named too."""
+    runs = []
+    for info in sorted(root.rglob("run.json")):
+        if not (info.parent / "metrics.jsonl").exists():
+            continue
+        try:
+            runs.append(load_run(info.parent, str(info.parent.relative_to(root)) if info.parent != root else root.name))
+        except (OSError, ValueError, AttributeError) as e:
+            warn(f"{info} cannot be read ({type(e).__name__}: {e}); its run is left out")
+    report_sweep(root, runs)
+    return runs
+
+
+def report_sweep(root: Path, runs: list[RunHistory]) -> None:
+    """Name each job of the sweep in `root` that failed (its exit code and last error line) and each
+    that left no run record (never started, killed before its first evaluation, or removed)."""
+    from rlkit import sweeps
+
+    failed = sweeps.failures(root)
+    for folder, record in failed:
+        warn(
+            f"job {record.get('job')} ({folder}) failed with exit code {record.get('exit_code')}: {record.get('error')}"
+        )
+    jobs = sweeps.jobs(root)
+    if jobs is None:
+        return
+    seen = {r.job for r in runs} | {record.get("job") for _, record in failed}
+    for num, overrides in enumerate(jobs):
+        if num not in seen:
+            warn(f"job {num} of the sweep ({' '.join(overrides)}) left no run record: it never ran, or was removed")
 
 
 def load_wandb_runs(project: str) -> list[RunHistory]:

@@ -7,6 +7,7 @@ data, which the plan and every record keep."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,12 @@ def load_spec(path: Path) -> StudySpec:
         problems.append(f"alpha must be in (0, 0.5) and power in [0.5, 1), got {spec.alpha}, {spec.power}")
     if not 2 <= spec.seeds.pilot <= spec.seeds.cap:
         problems.append(f"seeds need 2 <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
+    for arm in every_arm(spec):  # each name becomes a folder and a file name under the study's results
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", str(arm)) or ".." in str(arm):
+            problems.append(
+                f"arm name {arm!r} must be a plain name (letters, digits, '_', '-', '.'; no '/' and no '..'): "
+                "it names the arm's run folders and records"
+            )
     if set(spec.controls) & set(spec.arms):
         problems.append(f"a control may not share an arm's name: {', '.join(set(spec.controls) & set(spec.arms))}")
     if spec.controls and spec.learning is None:

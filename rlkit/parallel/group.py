@@ -23,6 +23,16 @@ def init(device: str) -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def launch_rank() -> int:
+    """This process's rank as its launcher set it, before the group is joined: torchrun's RANK, or
+    a SLURM job task's SLURM_PROCID; 0 for a single process."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+        return int(os.environ.get("SLURM_PROCID", "0"))
+    return 0
+
+
 def close(finished: bool) -> None:
     """End this process's part in the group: when the run ended the same way on every rank (it
     finished, stopped after an agreed step, or refused its config), a barrier first so that no rank

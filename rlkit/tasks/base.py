@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import csv
+import functools
+import hashlib
 import json
 import math
 import os
-from functools import partial
 
 import numpy as np
 import torch
@@ -23,11 +24,23 @@ def read_json_text(path: str) -> Dataset:
     """A JSON-lines file (or one JSON array of objects) with every number kept as the text the file
     spells it (`007`, `1.50`, a 20-digit integer), strings as they are."""
     text = open(path, encoding="utf-8").read()
-    load = partial(json.loads, parse_int=str, parse_float=str, parse_constant=str)
+    load = functools.partial(
+        json.loads, parse_int=str, parse_float=str, parse_constant=str, object_pairs_hook=_unique_keys
+    )
     rows = load(text) if text.lstrip().startswith("[") else [load(line) for line in text.splitlines() if line.strip()]
     if not all(isinstance(r, dict) for r in rows):
         raise ValueError("expected one JSON object per line (or a JSON array of objects)")
     return Dataset.from_list(rows)
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are all different (json's own parser keeps the last of repeated ones)."""
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise ValueError(f"an object names the key {k!r} twice; which one is meant is not clear")
+        seen[k] = v
+    return seen
 
 
 def read_csv_text(path: str) -> Dataset:
@@ -39,6 +52,9 @@ def read_csv_text(path: str) -> Dataset:
         header = next(reader, [])
         if not any(h.strip() for h in header):
             raise ValueError("the file is empty: a CSV file needs a header row naming its columns (prompt,answer)")
+        repeated = sorted({h for h in header if header.count(h) > 1})
+        if repeated:
+            raise ValueError(f"the header names the column {repeated[0]!r} twice; every column needs its own name")
         rows = []
         for row in reader:
             if not row:
@@ -95,6 +111,15 @@ class Task:
         """Characters of the prompts and answers of both splits (for a character tokenizer)."""
         text = [str(x) for split in (self.train, self.eval) for col in ("prompt", "answer") for x in split[col]]
         return "".join(sorted(set("".join(text))))
+
+    @functools.cached_property
+    def digest(self) -> dict:
+        """The SHA-256 of each split's rows (as training reads them, prompts formatted), which a
+        checkpoint records: a run resumed on other rows is refused."""
+        return {
+            name: hashlib.sha256(json.dumps(split.to_list(), sort_keys=True, default=str).encode()).hexdigest()
+            for name, split in (("train", self.train), ("eval", self.eval))
+        }
 
     def reward(self, row: dict, completion: str) -> float:
         raise NotImplementedError
