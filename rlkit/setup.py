@@ -22,6 +22,7 @@ from rlkit.components import (
     Correction,
     Critic,
     Engine,
+    Model,
     PolicyLoss,
     RewardFunction,
     Sampler,
@@ -66,11 +67,11 @@ def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Components:
         )
     check(target_class(cfg, "engine"), Engine, "engine")
     out = Components(
-        build(cfg, "advantage"),
-        build(cfg, "aggregator"),
-        build(cfg, "loss"),
-        build(cfg, "correction"),
-        {name: build(cfg, f"reward.functions.{name}") for name in cfg.reward.functions},
+        build(cfg, "advantage", AdvantageEstimator),
+        build(cfg, "aggregator", Aggregator),
+        build(cfg, "loss", PolicyLoss),
+        build(cfg, "correction", Correction),
+        {name: build(cfg, f"reward.functions.{name}", RewardFunction) for name in cfg.reward.functions},
         parallel.choose(cfg.parallel, rank, world),
     )
     check_built(cfg, out)
@@ -111,7 +112,7 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     task.check_splits()
     # a warm-started policy starts from warm_start.seed, so every RL seed shares it
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
-    model = build(cfg, "model")
+    model = build(cfg, "model", Model)
     policy, tokenizer = model.build(task.alphabet, init_seed)
     if model.format_prompt(tokenizer, "1") != "1":  # e.g. a chat template: format every prompt once, keeping
         task.train, task.eval = (  # the task's own (its demonstrations read it)
@@ -148,12 +149,14 @@ def build_parts(cfg: DictConfig, c: Components, device: torch.device, stop) -> t
     # wrapped after the reference copy and before the optimizer, which then holds what this process owns
     policy, ref = c.parallel.wrap(policy), c.parallel.wrap(ref)
     O = cfg.optim
-    critic = build(cfg, "critic", policy=policy, max_grad_norm=O.max_grad_norm) if c.advantage.needs_critic else None
+    critic = (
+        build(cfg, "critic", Critic, policy=policy, max_grad_norm=O.max_grad_norm) if c.advantage.needs_critic else None
+    )
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2), eps=O.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
-    sampler = build(cfg, "sampler", dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
-    engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
+    sampler = build(cfg, "sampler", Sampler, dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
+    engine = build(cfg, "engine", Engine, policy=policy, tokenizer=tokenizer)
     return Parts(
         task,
         model,

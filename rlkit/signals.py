@@ -1,5 +1,6 @@
-"""Stopping a run cleanly: SIGTERM or SIGINT lets the step in progress finish and checkpoint
-(`StopSignals`, then `Preempted`); a second signal stops at once (`StoppedAtOnce`)."""
+"""Stopping a run cleanly: SIGTERM, SIGINT or SIGHUP (its terminal or ssh session closed) lets the
+step in progress finish and checkpoint (`StopSignals`, then `Preempted`); a second signal stops at
+once (`StoppedAtOnce`)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,20 @@ import signal
 import threading
 
 
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class Preempted(Exception):
-    """SIGTERM or SIGINT arrived; a checkpoint was written and rerunning the command resumes."""
+    """SIGTERM, SIGINT or SIGHUP arrived; a checkpoint was written and rerunning the command resumes."""
 
 
 class StoppedAtOnce(BaseException):
-    """A second SIGTERM or SIGINT arrived before the step ended: stopped without a checkpoint. A
+    """A second stop signal arrived before the step ended: stopped without a checkpoint. A
     BaseException, like KeyboardInterrupt, so that no handler of user code (a scorer's) swallows it."""
 
 
 class StopSignals:
-    """Records SIGTERM/SIGINT instead of dying mid-step; the loop checks `received` after each step.
+    """Records SIGTERM, SIGINT or SIGHUP instead of dying mid-step; the loop checks `received` after each step.
     A second signal raises `StoppedAtOnce` wherever the run is (a scorer that never returns, say)."""
 
     def __init__(self):
@@ -26,7 +30,7 @@ class StopSignals:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOPS:
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -332,3 +332,13 @@ def test_a_run_refused_for_a_live_directory_touches_nothing_of_the_live_run(tmp_
         live.kill()
     assert [l["step"] for l in metrics(run_dir)] == [0, 1, 2]  # one run's steps, each once
     assert "seed: 0" in (run_dir / ".hydra" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("key", ["reward.functions.x", "loss", "aggregator", "correction"])
+def test_a_target_that_is_not_a_component_is_refused_before_it_is_built(tmp_path, key):
+    victim = tmp_path / "keep.txt"
+    victim.write_text("precious")
+    zip_file = [f"++{key}._target_=zipfile.ZipFile", f"++{key}.file={victim}", f"++{key}.mode=w"]
+    with pytest.raises(ConfigError, match=rf"{key}: zipfile.ZipFile does not implement \w+ \(it lacks"):
+        validate(make_cfg(zip_file))
+    assert victim.read_text() == "precious"  # ZipFile(file, mode="w") would have emptied it

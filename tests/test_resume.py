@@ -62,7 +62,8 @@ def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_loadable_checkpoint_and_exits_distinctly(tmp_path, warm_cache):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or ssh session closed
+def test_sigterm_writes_a_loadable_checkpoint_and_exits_distinctly(tmp_path, warm_cache, sig):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         command(run_dir, warm_cache, "steps=200", "checkpoint.every=0", "eval.every=0"),
@@ -73,10 +74,10 @@ def test_sigterm_writes_a_loadable_checkpoint_and_exits_distinctly(tmp_path, war
         lambda: (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) > 3,
         proc,
     )
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     assert proc.wait(timeout=120) == EXIT_PREEMPTED
     err = proc.stderr.read()
-    assert "stopped by SIGTERM after step" in err and "Traceback" not in err
+    assert f"stopped by {sig.name} after step" in err and "Traceback" not in err
     last = metrics(run_dir)[-1]["step"]
     ckpt = run_dir / "checkpoints" / f"step_{last:06d}"
     assert AutoModelForCausalLM.from_pretrained(ckpt / "policy") is not None

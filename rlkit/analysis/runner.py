@@ -15,17 +15,18 @@ from rlkit import atomic
 from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
 from rlkit.analysis.study import Stopped, StudySpec, every_arm, overrides
 from rlkit.exits import EXIT_PREEMPTED
+from rlkit.signals import STOPS
 
 
 class Signals:
-    """While the study runs: SIGINT or SIGTERM is forwarded once to each training run in progress
+    """While the study runs: SIGINT, SIGTERM or SIGHUP is forwarded once to each training run in progress
     (which checkpoints and exits 75), and no further run starts."""
 
     def __init__(self):
         self.procs, self.received = set(), None
 
     def __enter__(self):
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {s: signal.signal(s, self.handle) for s in STOPS}
         return self
 
     def __exit__(self, *exc):
