@@ -108,12 +108,7 @@ def load_spec(path: Path) -> StudySpec:
         problems.append(f"alpha must be in (0, 0.5) and power in [0.5, 1), got {spec.alpha}, {spec.power}")
     if not 2 <= spec.seeds.pilot <= spec.seeds.cap:
         problems.append(f"seeds need 2 <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
-    for arm in every_arm(spec):  # each name becomes a folder and a file name under the study's results
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", str(arm)) or ".." in str(arm):
-            problems.append(
-                f"arm name {arm!r} must be a plain name (letters, digits, '_', '-', '.'; no '/' and no '..'): "
-                "it names the arm's run folders and records"
-            )
+    problems += unsafe_names(spec)
     if set(spec.controls) & set(spec.arms):
         problems.append(f"a control may not share an arm's name: {', '.join(set(spec.controls) & set(spec.arms))}")
     if spec.controls and spec.learning is None:
@@ -130,6 +125,16 @@ def load_spec(path: Path) -> StudySpec:
     if problems:
         raise StudyError(f"{path}: " + "; ".join(problems))
     return spec
+
+
+def unsafe_names(spec: StudySpec) -> list[str]:
+    """An arm's name becomes its run folders' and records' names: plain names only, never a path."""
+    return [
+        f"arm name {arm!r} must be a plain name (letters, digits, '_', '-', '.'; no '/' and no '..'): it names "
+        "the arm's run folders and records"
+        for arm in every_arm(spec)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", str(arm)) or ".." in str(arm)
+    ]
 
 
 def check_lists(path: Path, loaded) -> None:
