@@ -86,7 +86,9 @@ def test_resume_with_a_different_config_is_refused_naming_the_keys(fast_cfg, tmp
     import pytest
 
     run(fast_cfg("steps=2"), str(tmp_path))
-    with pytest.raises(ConfigError, match="written with different model, loss"):
+    with pytest.raises(
+        ConfigError, match=r"written with different loss.beta \(0.04 -> 0.1\), model.hidden_size \(64 -> 32\)"
+    ):
         run(fast_cfg("steps=4", "model.hidden_size=32", "loss.beta=0.1"), str(tmp_path))
     moved = fast_cfg("steps=3")
     moved.warm_start.cache_dir = str(tmp_path / "elsewhere")  # the cache may move
