@@ -35,11 +35,17 @@ def verdicts(name: str) -> dict | None:
 
 
 def word(verdict: str, reason: str, claimed_equal: bool) -> str:
-    """The verdict, saying what `equivalent` means for a claimed direction and when a reproduced
-    difference is smaller than the declared smallest effect."""
-    if verdict == "reproduced" and "smaller than the declared smallest effect" in reason:
-        return "reproduced, below the declared smallest effect"
-    return verdict if claimed_equal or verdict != "equivalent" else "equivalent (no effect either way: not reproduced)"
+    """The verdict, saying why a study was not tested and what `equivalent` means for a claimed direction."""
+    if verdict == "not tested":
+        return f"not tested: {gist(reason)}"
+    if claimed_equal or not verdict.startswith("equivalent"):
+        return verdict
+    return verdict.replace("equivalent", "equivalent (no effect either way: not reproduced)", 1)
+
+
+def gist(reason: str) -> str:
+    """A reason's first clause."""
+    return reason.split(",")[0].split(";")[0].split(" (")[0]
 
 
 def short(described: str) -> str:
@@ -55,9 +61,8 @@ def status(name: str) -> str:
 
 def replicated(verdict: str, again: str, diff: str, r: dict) -> str:
     """The replication's outcome against the original verdict."""
-    if again == "not tested":
-        why = "its baseline did not learn" if r["learned"] is False else "its engagement check failed"
-        return f"not tested: {why} ({diff})"
+    if again.startswith("not tested"):
+        return f"{again} ({diff})"
     return f"replicated ({diff})" if again == verdict else f"not replicated: {again} ({diff})"
 
 
@@ -75,7 +80,7 @@ def row(name: str) -> str:
         numbers.append(f"{arm} - {spec.baseline}: {diff}")
         if again is not None:
             replication.append(replicated(verdict, *again[arm]))
-    learned = {True: "; baseline learned", False: "; baseline did not learn", None: ""}[r["learned"]]
+    learned = {True: "; baseline learned", False: "; baseline did not learn by the margin", None: ""}[r["learned"]]
     return (
         f"| {link} | {claim} | {'; '.join(words)} | {'; '.join(replication) or 'not run'} | "
         f"{'; '.join(numbers)}{learned} |"

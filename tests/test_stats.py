@@ -58,7 +58,9 @@ def test_a_difference_without_spread_says_so_instead_of_p_zero():
     d = paired([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
     assert math.isnan(d.p) and d.zero_variance
     assert d.describe() == "+1.000 in every one of 3 pairs (no spread: no test)"
-    assert holm([d.p, 0.01]) == [pytest.approx(float("nan"), nan_ok=True), 0.01]  # an untested line is no test
+    assert holm([d.p, 0.01]) == [pytest.approx(float("nan"), nan_ok=True), 0.02]  # untested, but in the family
+    adjusted = holm([0.02, float("nan"), 0.03])  # m = 3: 3 x 0.02, then max(0.06, 2 x 0.03)
+    assert adjusted[0] == pytest.approx(0.06) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.06)
 
 
 def test_holm_by_hand_and_against_statsmodels():
@@ -165,10 +167,10 @@ def test_compare_with_a_baseline_writes_paired_lines_with_holm_and_plots_against
     line = next(l for l in md.splitlines() if l.startswith("- final eval/accuracy: rloo - grpo"))
     assert "+0.100 [-0.148, +0.348], d_z = +1.00 [" in line and f"p = {p:.2g} (paired t, n = 3)" in line
     # six lines (final and best for three groups); ppo's final differences (-0.4 each) have no spread and no p,
-    # so Holm counts five; ppo's best (-0.3, -0.35, -0.4) has the smallest p, multiplied by 5
+    # but stay in Holm's family of six; ppo's best (-0.3, -0.35, -0.4) has the smallest p, multiplied by 6
     assert "final eval/accuracy: ppo - grpo: -0.400 in every one of 3 pairs (no spread: no test)" in md
     p_best = sps.ttest_rel([0.2, 0.25, 0.3], [0.5, 0.6, 0.7]).pvalue
-    assert f"p = {p_best:.2g} (paired t, n = 3); Holm-adjusted p = {5 * p_best:.2g} over 5 lines" in md
+    assert f"p = {p_best:.2g} (paired t, n = 3); Holm-adjusted p = {6 * p_best:.2g} over 6 lines" in md
     assert "not shown equivalent within ±0.2 (TOST p = " in line
     png = tmp_path / "compare" / "eval_accuracy_by_tokens.png"
     assert imread(png).shape[1] > imread(png).shape[0]  # four groups: a panel each, side by side

@@ -18,9 +18,11 @@ from cli import TIMING
 from conftest import FAST, make_cfg
 from rlkit.analysis import stats
 from rlkit.analysis.records import plan, read_records
+from rlkit.analysis.runs import aggregate_name, reached
 from rlkit.analysis.study import StudyError, every_arm, load_spec
 from rlkit.analysis.study_cli import main as study_main
 from rlkit.analysis.verdict import MARKER, analyse, report
+from rlkit.train import run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,25 +81,34 @@ def test_a_study_file_that_cannot_run_is_named(tmp_path, capsys):
     assert "no study file" in capsys.readouterr().err
 
 
-def test_verdicts_follow_the_declared_rule(tmp_path):
-    spec = write_spec(tmp_path)
+def test_verdicts_follow_the_four_outcomes_of_equivalence_testing(tmp_path):
+    spec = write_spec(tmp_path)  # higher by 0.05; no positive control, no premise: "not gated"
     word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))  # +0.105 on average
-    assert word == "reproduced" and why.endswith("(adjusted p = 0.00051)")  # t = 0.105 / (0.0129 / 2) = 16.3, 3 df
-    word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35], [0.32, 0.421, 0.519, 0.37]))  # +0.02: below 0.05
-    assert word == "reproduced" and why.endswith(", but smaller than the declared smallest effect of 0.05")
-    assert verdict(spec, records([0.3, 0.4, 0.5], [0.1, 0.15, 0.3]))[0] == "refuted"  # clearly lower
-    word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505]))
-    assert word == "equivalent" and "no effect as large as 0.05 either way" in why
-    word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.3, 0.55]), {"capped": True})
-    assert word == "inconclusive" and "undecided at the seed cap (8)" in why and "seeds per arm would decide" in why
+    # t = 0.105 / (0.0129 / 2) = 16.3 on 3 df: p = 0.00051; TOST's upper test (0.105 - 0.05) / se = 8.5: p = 0.998
+    assert word == "reproduced (not gated)" and "adjusted p = 0.00051, TOST at ±0.05 adjusted p = 1" in why
+    assert why.endswith("not gated: no positive control and no premise declared")
+    word, why = verdict(spec, records([0.3, 0.4, 0.5, 0.35], [0.32, 0.421, 0.519, 0.37]))  # +0.02 with sd 0.0008
+    assert word == "negligible (not gated)" and "a real difference, but inside ±0.05" in why  # was "reproduced"
+    assert verdict(spec, records([0.3, 0.4, 0.5], [0.1, 0.15, 0.3]))[0] == "refuted (not gated)"  # -0.217, p = 0.006
+    near = records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505])  # mean 0.0000, sd 0.0015
+    word, why = verdict(spec, near)
+    assert word == "not tested" and why.startswith("no positive control showed that this testbed can see an effect")
+    word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.3, 0.55]), {"capped": True})  # +0.017, sd 0.104
+    assert word == "inconclusive (not gated)" and "neither a difference nor an equivalence is shown" in why
+    assert "seeds per arm would decide it" in why and "at the seed cap (8)" in why
     equal = write_spec(
         tmp_path,
         primary={"metric": "eval/accuracy", "aggregate": "final", "direction": "equal", "smallest_effect": 0.05},
     )
-    assert verdict(equal, records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505]))[1].endswith(
-        "the claim holds"
-    )
-    assert verdict(equal, records([0.3, 0.4, 0.5], [0.6, 0.72, 0.8]))[0] == "refuted"
+    assert verdict(equal, records([0.3, 0.4, 0.5], [0.6, 0.72, 0.8]))[0] == "refuted (not gated)"
+    two = write_spec(tmp_path, arms={"b": ["algo=grpo"], "t": ["algo=dr_grpo"], "u": ["algo=rloo"]})
+    recs = records([0.3, 0.4, 0.5, 0.35], [0.32, 0.421, 0.519, 0.37]) + [
+        rec("u", s, v) for s, v in enumerate([0.301, 0.398, 0.5015, 0.349])
+    ]
+    r = analyse(two, recs, None)  # TOST's p goes through Holm across the treatments too, not only significance
+    raw = [r["diffs"][a].tost(0.05) for a in ("t", "u")]
+    assert list(r["p_tost_adjusted"].values()) == pytest.approx(stats.holm(raw))
+    assert min(r["p_tost_adjusted"].values()) == pytest.approx(2 * min(raw))  # the smaller raw p times m = 2
     engaged = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11})
     assert verdict(engaged, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "not tested"
     in_base = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11, "arm": "b"})
@@ -108,17 +119,125 @@ def test_verdicts_follow_the_declared_rule(tmp_path):
         write_spec(tmp_path, engagement={"metric": "m", "at_least": 1, "arm": "x"})
 
 
+def test_no_verdict_from_fewer_than_three_pairs_or_from_zero_spread_alone(tmp_path):
+    spec = write_spec(tmp_path)
+    word, why = verdict(spec, records([0.3, 0.4], [0.301, 0.401]))  # +0.001 in both pairs: once "reproduced"
+    assert word == "inconclusive" and "only 2 paired runs (a verdict needs at least 3)" in why
+    word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.5, 0.6]))  # +0.1 in every pair
+    assert word == "inconclusive" and "no spread, no test" in why
+
+
+def gated(tmp_path, **changes):
+    """A study with a positive control `c` (higher by the smallest effect) and a premise on the start."""
+    return write_spec(
+        tmp_path,
+        controls={"c": ["loss.eps_high=10"]},
+        learning={"aggregate": "gain:2", "margin": 0.05},
+        sensitivity={"arm": "c"},
+        premises=[{"metric": "eval/accuracy", "at_most": 0.35, "why": "the start is far from the ceiling"}],
+        **changes,
+    )
+
+
+def test_a_positive_control_a_premise_and_the_learning_margin_gate_every_verdict(tmp_path):
+    spec = gated(tmp_path)
+    base, near = [0.4, 0.45, 0.5, 0.42, 0.47], [0.401, 0.448, 0.5015, 0.419, 0.4705]  # base gains 0.10 .. 0.20
+    moved = [rec("c", s, v + 0.1 + 0.01 * (s % 2)) for s, v in enumerate(base)]  # the control: +0.10 or +0.11
+    r = analyse(spec, records(base, near) + moved, None)
+    assert r["learned"] and r["sensitive"] and r["held"]
+    assert r["verdicts"]["t"][0] == "equivalent"  # the testbed showed it can see +0.05, so the null means something
+    assert r["sensitivity"][0].startswith("c - b (positive control, needs higher by >= 0.05, p < 0.05): +0.104 [")
+    assert r["premises"] == [
+        "the start is far from the ceiling: b's step-0 value eval/accuracy = 0.3 over 5 runs, needs <= 0.35: held"
+    ]
+    weak = [rec("c", s, v + 0.03 + 0.01 * (s % 2)) for s, v in enumerate(base)]  # +0.034: significant, too small
+    word, why = analyse(spec, records(base, near) + weak, None)["verdicts"]["t"]
+    assert word == "not tested" and why.startswith("the positive control did not move the primary metric")
+    high_start = write_spec(tmp_path, **{**gated_args(), "premises": [{"metric": "eval/accuracy", "at_most": 0.2}]})
+    word, why = analyse(high_start, records(base, near) + moved, None)["verdicts"]["t"]
+    assert word == "not tested" and why.startswith("a premise of the claim did not hold")
+    slow = records([0.35, 0.36, 0.38, 0.37, 0.36], [0.36, 0.36, 0.38, 0.38, 0.36])  # gains 0.05 .. 0.08: > 0 only
+    r = analyse(spec, slow + [rec("c", s, 0.5) for s in range(5)], None)
+    assert r["learned"] is False and r["verdicts"]["t"][0] == "not tested"  # interval [+0.045, +0.077] not > 0.05
+    assert "needs its interval above 0.05: FAILED, the baseline did not learn by the margin" in r["learning"][0]
+    default = write_spec(tmp_path, learning={"aggregate": "gain:2"})  # margin: twice the smallest effect, 0.1
+    assert analyse(default, records(base, near), None)["learned"] is False  # gains +0.148 [+0.099, +0.197]
+    assert analyse(default, records([0.5, 0.55, 0.6, 0.52, 0.57], near), None)["learned"] is True  # [+0.199, ...]
+    assert analyse(default, slow, None)["learned"] is False
+    with pytest.raises(StudyError, match="sensitivity.arm 'x' must be one of the controls"):
+        write_spec(tmp_path, **{**gated_args(), "sensitivity": {"arm": "x"}})
+
+
+def gated_args() -> dict:
+    return {
+        "controls": {"c": ["loss.eps_high=10"]},
+        "learning": {"aggregate": "gain:2", "margin": 0.05},
+        "sensitivity": {"arm": "c"},
+    }
+
+
+def test_a_run_that_stopped_early_is_counted_by_the_declared_rule_never_dropped(tmp_path):
+    base, treat = [0.4, 0.45, 0.5, 0.42, 0.47], [0.5, 0.55, 0.6, 0.52, 0.57]  # +0.10 in every finished pair
+    recs = records(base, treat)
+    recs[-1] = rec("t", 4, 0.9, finished=False, exit_code=3)  # diverged after logging 0.9 (its last evaluation)
+    last = analyse(write_spec(tmp_path), recs, None)
+    assert last["values"]["t"][4] == 0.9 and last["diffs"]["t"].n == 5  # counted as it stood, not dropped
+    assert last["unfinished"] == ["t seed 4: stopped at step 2 (exit 3)"]
+    worst = analyse(write_spec(tmp_path, unfinished="worst"), recs, None)
+    assert worst["values"]["t"][4] == 0.5 and worst["diffs"]["t"].diff == pytest.approx((0.1 * 4 + 0.5 - 0.47) / 5)
+    recs.append(rec("b", 5, 0.2))  # a seed the treatment never ran: named, not silently intersected away
+    assert analyse(write_spec(tmp_path), recs, None)["unpaired"] == [
+        "t - b: seed 5 has no value in t; its pair is missing"
+    ]
+    text = report(write_spec(tmp_path, unfinished="worst"), "s", tmp_path, recs, None)
+    assert "### Runs that stopped early (counted, as declared, by its arm's worst value)" in text
+    assert "- t seed 4: stopped at step 2 (exit 3)" in text and "### Seeds without a pair" in text
+
+
+def test_a_study_can_draw_each_seeds_starting_policy_from_its_own_seed(tmp_path):
+    spec = write_spec(tmp_path, config=["warm_start.seed=\\${seed}", "warm_start.steps=20"])  # as YAML spells it
+    assert spec.config[0] == "warm_start.seed=${seed}"  # the interpolation reaches the run, not the study file
+    for seed in (0, 1):
+        cfg = make_cfg([*spec.config, f"seed={seed}"], cache_dir=str(tmp_path / "cache"))
+        assert cfg.warm_start.seed == seed
+        run(cfg, str(tmp_path / f"run{seed}"))
+    weights = sorted((tmp_path / "cache").glob("*/weights.pt"))  # one starting policy per seed, each cached
+    assert len(weights) == 2 and weights[0].read_bytes() != weights[1].read_bytes()
+
+
+def test_the_plan_works_when_a_treatment_left_no_pilot_value(tmp_path):
+    spec = write_spec(tmp_path, seeds={"pilot": 3, "cap": 8})
+    pilot = [rec("b", s, v) for s, v in enumerate([0.3, 0.4, 0.5])]  # every t run of the pilot crashed at once
+    p = plan(spec, pilot + [({**rec("t", s, 0)[0], "finished": False, "exit": 1}, []) for s in range(3)])
+    assert p["arms"]["t"]["pilot_pairs"] == 0 and p["seeds"] == 3  # no spread to plan from: the pilot's count
+
+
+def test_the_cost_to_reach_a_target_counts_runs_that_never_reach_it_at_their_end(tmp_path):
+    spec = write_spec(
+        tmp_path,
+        primary={"metric": "eval/accuracy", "aggregate": "reach:0.5", "direction": "lower", "smallest_effect": 1},
+    )
+    recs = records([0.5, 0.4, 0.55], [0.6, 0.7, 0.45])  # b reaches 0.5 at step 1, never, step 1; t: 1, 1, never
+    r = analyse(spec, recs, None)
+    assert r["values"] == {"b": {0: 1.0, 1: 2.0, 2: 1.0}, "t": {0: 1.0, 1: 1.0, 2: 2.0}}  # the end: step 2, censored
+    run = r["arms"]["b"][1]
+    assert not reached(run, "eval/accuracy", "reach:0.5") and reached(r["arms"]["b"][0], "eval/accuracy", "reach:0.5")
+    assert aggregate_name("reach:0.5:tokens") == "generated tokens to reach 0.5"
+
+
 def test_a_baseline_that_does_not_learn_gives_no_verdict_and_controls_stand_beside_it(tmp_path):
-    spec = write_spec(tmp_path, learning={"aggregate": "gain:2"}, controls={"c": ["reward.shuffle=group"]})
+    spec = write_spec(
+        tmp_path, learning={"aggregate": "gain:2", "margin": 0.05}, controls={"c": ["reward.shuffle=group"]}
+    )
     flat = records([0.3, 0.31, 0.29, 0.3], [0.40, 0.52, 0.61, 0.44])  # baseline gains 0, +0.01, -0.01, 0 over 0.3
     assert verdict(spec, flat) == (
         "not tested",
-        "the baseline did not learn (the learning check failed), so the testbed cannot show the claim",
+        "the baseline did not learn by the learning margin, so the testbed cannot show the claim",
     )
-    learns = records([0.4, 0.45, 0.5, 0.42], [0.5, 0.55, 0.6, 0.52])  # gains 0.10, 0.15, 0.20, 0.12; t: +0.10 each
+    learns = records([0.4, 0.45, 0.5, 0.42], [0.5, 0.56, 0.6, 0.53])  # gains 0.10, 0.15, 0.20, 0.12; t: +0.10, +0.11
     learns += [rec("c", s, v) for s, v in enumerate([0.3, 0.28, 0.31, 0.3])]  # the control: gains 0, -0.02, +0.01, 0
     r = analyse(spec, learns, None)
-    assert r["learned"] and r["verdicts"]["t"][0] == "reproduced"
+    assert r["learned"] and r["verdicts"]["t"][0] == "reproduced (not gated)"  # gains +0.143 [+0.073, +0.212]
     assert r["learning"][0].startswith("b (baseline): mean of last 2 minus step 0 eval/accuracy = +0.143 [")
     assert r["learning"][1].startswith(
         "c (control): mean of last 2 minus step 0 eval/accuracy = -0.002 ± 0.020 over 4 runs"
@@ -132,17 +251,16 @@ def test_a_baseline_that_does_not_learn_gives_no_verdict_and_controls_stand_besi
         write_spec(tmp_path, learning={}, controls={"t": ["reward.shuffle=group"]})
 
 
-def test_the_analysis_pairs_by_seed_names_what_it_leaves_out_and_corrects_secondary_lines(tmp_path):
+def test_the_analysis_pairs_by_seed_and_corrects_secondary_lines(tmp_path):
     spec = write_spec(tmp_path)
     recs = records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44])  # differences 0.10, 0.12, 0.11, 0.09: mean 0.105
-    recs.append(rec("t", 4, 0.9, finished=False, exit_code=3))  # stopped by non-finite updates
-    recs.append(rec("b", 5, 0.2))  # no partner: unpaired, not in the primary test
+    recs.append(rec("b", 5, 0.2))  # no partner: unpaired, not in the primary test, and named
     r = analyse(spec, recs, None)
     d = r["diffs"]["t"]
     assert (
         d.n == 4
         and d.diff == pytest.approx(0.105)
-        and r["left_out"] == ["t seed 4: stopped at step 2 (exit 3); not analysed"]
+        and r["unpaired"] == ["t - b: seed 5 has no value in t; its pair is missing"]
     )
     label, sec, *_ = r["secondary"][0]
     assert label == "mean of last 2 train/len: t - b" and sec.zero_variance  # every length 10 in both arms

@@ -228,7 +228,7 @@ def differences(
                 rob = stats.robust([v for _, v in a], [v for _, v in b], m in lower, alpha)
                 rows.append((f"{aggregate_name(what)} {m}: {name} - {baseline}", d, rob, m, name))
     adjusted = stats.holm([d.p for _, d, *_ in rows])
-    tested = sum(not math.isnan(x) for x in adjusted)
+    tested = len(adjusted)  # a line without spread has no p but stays in the family
     lines = [
         difference_line(row, p_holm, tested, baseline, lower, margins.get(row[3]), alpha)
         for row, p_holm in zip(rows, adjusted)

@@ -12,7 +12,7 @@ from pathlib import Path
 from rlkit import atomic
 from rlkit.analysis import stats
 from rlkit.analysis.study import Stopped, StudySpec, changes, declared, every_arm, overrides, with_defaults
-from rlkit.analysis.verdict import per_run, runs_by_arm
+from rlkit.analysis.verdict import pair, per_run, runs_by_arm
 from rlkit.exits import EXIT_BAD_INPUT
 
 
@@ -143,7 +143,7 @@ def plan(spec: StudySpec, records: list) -> dict:
     """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
     declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
     pilot = [(head, rows) for head, rows in records if head["seed"] < spec.seeds.pilot]  # a replan gives the same plan
-    values = per_run(runs_by_arm(pilot)[0], spec.primary)
+    values = per_run(runs_by_arm(pilot)[0], spec.primary, spec.unfinished)
     treatments = [a for a in spec.arms if a != spec.baseline]
     alpha = spec.alpha / len(treatments)
     out = {
@@ -154,8 +154,7 @@ def plan(spec: StudySpec, records: list) -> dict:
         "declared": declared(spec),
     }
     for arm in treatments:
-        pairs = [(values[spec.baseline][s], values[arm][s]) for s in values[arm] if s in values[spec.baseline]]
-        d = stats.paired([a for a, _ in pairs], [b for _, b in pairs])
+        d = stats.paired(*pair(values, spec.baseline, arm))  # a treatment whose pilot left no value: no pairs
         sd = stats.inflated_sd(d.sd, d.n, spec.seeds.pilot_confidence) if d.n >= 2 else float("nan")
         if spec.primary.direction == "equal":
             need = stats.seeds_for_equivalence(spec.primary.smallest_effect, sd, spec.power, alpha)

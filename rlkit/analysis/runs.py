@@ -189,30 +189,57 @@ def x_of(run: RunHistory, axis: str) -> dict:
 # ---- per-run aggregates: one number per run ------------------------------------------------------------------------
 
 
-def parse_aggregate(spec: str) -> tuple[str, int | str]:
+def parse_aggregate(spec: str) -> tuple[str, int | str | tuple]:
     """'final', 'last:K' (mean of the last K logged values), 'auc' or 'auc:tokens' (mean height of
-    the curve over steps, or over generated tokens), 'best' (best value after step 0) or 'gain' /
+    the curve over steps, or over generated tokens), 'best' (best value after step 0), 'gain' /
     'gain:K' (the last value, or the mean of the last K, minus the step-0 value: what training
-    changed).  -> (kind, K or the auc's axis)"""
+    changed), 'start' (the step-0 value: the starting policy's) or 'reach:X' / 'reach:X:tokens' /
+    'reach:X:time' (the steps, generated tokens or seconds until the metric first reaches X; a run
+    that never does counts at its end, censored).  -> (kind, K, the auc's axis or (X, axis))"""
     kind, _, k = spec.partition(":")
     if kind in ("last", "gain") and k.isdigit() and int(k) >= 1:
         return kind, int(k)
     if kind == "auc" and k in ("", "step", "tokens"):
         return "auc", k or "step"
-    if kind in ("final", "best", "gain") and not k:
+    if kind in ("final", "best", "gain", "start") and not k:
         return kind, 1
-    raise ValueError(f"aggregate {spec!r}: use final, last:K (K >= 1), auc, auc:tokens, best, gain or gain:K")
+    if kind == "reach":
+        value, _, axis = k.partition(":")
+        try:
+            if axis in ("", "step", "tokens", "time"):
+                return "reach", (float(value), axis or "step")
+        except ValueError:
+            pass
+    raise ValueError(
+        f"aggregate {spec!r}: use final, last:K (K >= 1), auc, auc:tokens, best, gain, gain:K, start or "
+        "reach:X[:tokens|:time]"
+    )
 
 
 def aggregate_name(spec: str) -> str:
     kind, k = parse_aggregate(spec)
+    if kind == "reach":
+        unit = {"step": "steps", "tokens": "generated tokens", "time": "seconds"}[k[1]]
+        return f"{unit} to reach {k[0]:g}"
     return {
         "final": "final",
         "last": f"mean of last {k}",
         "auc": f"area (mean over {k if k == 'tokens' else 'steps'})",
         "best": "best after step 0",
         "gain": "final minus step 0" if k == 1 else f"mean of last {k} minus step 0",
+        "start": "step-0 value",
     }[kind]
+
+
+def lower_is_better(spec: str, lower: bool) -> bool:
+    """Whether a smaller per-run aggregate is the better one: a cost to reach a target always is."""
+    return parse_aggregate(spec)[0] == "reach" or lower
+
+
+def reached(run: RunHistory, metric: str, spec: str, lower: bool = False) -> bool:
+    """Whether `run` reached the target of a `reach:X` aggregate (False: its cost is censored)."""
+    kind, k = parse_aggregate(spec)
+    return kind != "reach" or any((v <= k[0] if lower else v >= k[0]) for _, v in run.history.get(metric, []))
 
 
 def aggregate(run: RunHistory, metric: str, spec: str, lower: bool = False) -> float | None:
@@ -231,6 +258,13 @@ def aggregate(run: RunHistory, metric: str, spec: str, lower: bool = False) -> f
         series = [(s, v) for s, v in series if s > 0]  # the step-0 evaluation is the shared start, not a result
     if not series:
         return None
+    if kind == "start":
+        return series[0][1] if series[0][0] == 0 else None
+    if kind == "reach":  # the cost until the first value at the target; a run that never got there, its end
+        target, axis = k
+        first = next((s for s, v in series if (v <= target if lower else v >= target)), None)
+        at = x_of(run, axis)  # step -> cost so far
+        return at.get(first if first is not None else max(at), float("nan"))
     values = [v for _, v in series]
     if kind == "gain":  # the last K values after step 0, less the step-0 value
         after = values[1:][-k:]

@@ -153,9 +153,10 @@ def effect_size(diff: float, sd: float, n: int, paired: bool, alpha: float = 0.0
 
 
 def holm(pvalues: list[float]) -> list[float]:
-    """Holm's step-down adjustment of a family of p-values (nan entries are left out and stay nan)."""
+    """Holm's step-down adjustment of a family of p-values. A missing p (nan: a line without spread)
+    stays missing but stays in the family: it counts in m, as a test that could not reject."""
     order = sorted((p, i) for i, p in enumerate(pvalues) if not math.isnan(p))
-    m, out, running = len(order), [float("nan")] * len(pvalues), 0.0
+    m, out, running = len(pvalues), [float("nan")] * len(pvalues), 0.0
     for rank, (p, i) in enumerate(order):
         running = max(running, min(1.0, (m - rank) * p))
         out[i] = running

@@ -41,11 +41,34 @@ class Engagement(MetricSpec):
 @dataclass
 class Learning(MetricSpec):
     """The baseline arm must learn for any verdict to count: its mean `aggregate` of `metric` per
-    run (by default held-out accuracy, the mean of the last 3 evaluations minus step 0) is above 0
-    with its 95% interval."""
+    run (by default held-out accuracy, the mean of the last 3 evaluations minus step 0) exceeds
+    `margin` with its whole 95% interval."""
 
     metric: str = "eval/accuracy"
     aggregate: str = "gain:3"
+    margin: float | None = None  # the gain the baseline must exceed; None = twice primary.smallest_effect
+
+
+@dataclass
+class Sensitivity:
+    """The positive control: a control arm that applies the mechanism at a strength known to matter.
+    It must differ from the baseline on the primary metric in `direction`, significantly and by at
+    least the smallest effect, else no verdict is given (the testbed cannot see the mechanism)."""
+
+    arm: str = MISSING  # one of `controls`, run at the same seeds
+    direction: str | None = None  # higher or lower; None = the primary's direction (required for `equal`)
+
+
+@dataclass
+class Premise(MetricSpec):
+    """What the claim assumes, measured before it could act (`aggregate: start` is the step-0 value)
+    in one arm; outside its bound, no verdict is given."""
+
+    aggregate: str = "start"
+    arm: str | None = None  # None = the baseline
+    at_least: float | None = None
+    at_most: float | None = None
+    why: str = ""  # the assumption in words, for the README
 
 
 @dataclass
@@ -68,6 +91,10 @@ class StudySpec:
     secondary: list = field(default_factory=list)  # MetricSpec entries, Holm-corrected together
     engagement: Engagement | None = None  # a metric that shows the treatment acted
     learning: Learning | None = None  # a check that the baseline learns at all; failing it, no verdict
+    sensitivity: Sensitivity | None = None  # the positive control; without one, "equivalent" is never printed
+    premises: list = field(default_factory=list)  # Premise entries; any outside its bound, no verdict
+    unfinished: str = "last"  # how a run that stopped early (diverged, crashed) counts: last (its aggregate
+    # over what it logged; the arm's worst value when it logged none) | worst (the arm's worst value)
     controls: dict = field(default_factory=dict)  # control arm name -> overrides (e.g. [reward.shuffle=group]),
     # run at the same seeds and reported beside the baseline on the learning metric, outside the tests
     alpha: float = 0.05
@@ -94,6 +121,7 @@ def load_spec(path: Path) -> StudySpec:
         check_lists(path, loaded)
         merged = OmegaConf.merge(OmegaConf.structured(StudySpec), loaded)
         merged.secondary = [OmegaConf.merge(OmegaConf.structured(MetricSpec), s) for s in merged.secondary]
+        merged.premises = [OmegaConf.merge(OmegaConf.structured(Premise), s) for s in merged.premises]
         spec = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, OSError, yaml.YAMLError) as e:
         raise StudyError(f"{path} cannot be read as a study file: {e}".strip()) from None
@@ -108,7 +136,7 @@ def load_spec(path: Path) -> StudySpec:
         problems.append(f"alpha must be in (0, 0.5) and power in [0.5, 1), got {spec.alpha}, {spec.power}")
     if not 2 <= spec.seeds.pilot <= spec.seeds.cap:
         problems.append(f"seeds need 2 <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
-    problems += unsafe_names(spec)
+    problems += unsafe_names(spec) + gate_problems(spec)
     if set(spec.controls) & set(spec.arms):
         problems.append(f"a control may not share an arm's name: {', '.join(set(spec.controls) & set(spec.arms))}")
     if spec.controls and spec.learning is None:
@@ -117,7 +145,7 @@ def load_spec(path: Path) -> StudySpec:
         problems.append("engagement needs exactly one of at_least and at_most")
     if spec.engagement is not None and spec.engagement.arm not in (None, *spec.arms):
         problems.append(f"engagement.arm {spec.engagement.arm!r} is not one of the arms ({', '.join(spec.arms)})")
-    for m in [spec.primary, *spec.secondary, *[c for c in (spec.engagement, spec.learning) if c is not None]]:
+    for m in [spec.primary, *spec.secondary, *spec.premises, *[c for c in (spec.engagement, spec.learning) if c]]:
         try:
             parse_aggregate(m.aggregate)
         except ValueError as e:
@@ -125,6 +153,23 @@ def load_spec(path: Path) -> StudySpec:
     if problems:
         raise StudyError(f"{path}: " + "; ".join(problems))
     return spec
+
+
+def gate_problems(spec: StudySpec) -> list[str]:
+    """The positive control, the premises and how unfinished runs count, as declared."""
+    problems, S = [], spec.sensitivity
+    if S is not None and S.arm not in spec.controls:
+        problems.append(f"sensitivity.arm {S.arm!r} must be one of the controls ({', '.join(spec.controls)})")
+    if S is not None and (S.direction or spec.primary.direction) not in ("higher", "lower"):
+        problems.append("sensitivity.direction must be higher or lower (a claimed equality needs it said)")
+    for p in spec.premises:
+        if (p.at_least is None) == (p.at_most is None):
+            problems.append(f"premise {p.metric}: needs exactly one of at_least and at_most")
+        if p.arm not in (None, *every_arm(spec)):
+            problems.append(f"premise {p.metric}: arm {p.arm!r} is not one of the arms or controls")
+    if spec.unfinished not in ("last", "worst"):
+        problems.append(f"unfinished must be last or worst, got {spec.unfinished!r}")
+    return problems
 
 
 def unsafe_names(spec: StudySpec) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from rlkit import atomic
 from rlkit.analysis import stats
 from rlkit.analysis.compare import fmt, plot
-from rlkit.analysis.runs import aggregate, aggregate_name, from_rows
+from rlkit.analysis.runs import aggregate, aggregate_name, from_rows, lower_is_better
 from rlkit.analysis.stats import mean_ci
 from rlkit.sinks import flatten
 
@@ -19,26 +19,35 @@ MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study
 
 
 def runs_by_arm(records: list) -> tuple[dict, list[str]]:
-    """{arm: {seed: RunHistory}} of the runs that reached their last step, and a line for each one left out."""
-    arms, left_out = {}, []
+    """{arm: {seed: RunHistory}} of every recorded run, and a line naming each that stopped before
+    its last step (it diverged or crashed): such a run is counted by the study's `unfinished` rule
+    in `per_run`, never dropped."""
+    arms, unfinished = {}, []
     for head, rows in records:
         run = from_rows(
             f"{head['arm']} seed {head['seed']}", {**flatten(head["config"]), **head["choices"]}, rows, head["finished"]
         )
-        if head["finished"]:
-            arms.setdefault(head["arm"], {})[head["seed"]] = run
-        else:
-            left_out.append(f"{run.name}: stopped at step {run.last_step} (exit {head['exit']}); not analysed")
-    return arms, left_out
+        arms.setdefault(head["arm"], {})[head["seed"]] = run
+        if not head["finished"]:
+            unfinished.append(f"{run.name}: stopped at step {run.last_step} (exit {head['exit']})")
+    return arms, unfinished
 
 
-def per_run(arms: dict, m) -> dict:
-    """{arm: {seed: value}} of metric spec `m` (metric, aggregate, lower) over `runs_by_arm`'s runs;
-    runs without a value are absent."""
-    return {
-        arm: {s: v for s, r in runs.items() if (v := aggregate(r, m.metric, m.aggregate, m.lower)) is not None}
-        for arm, runs in arms.items()
-    }
+def per_run(arms: dict, m, rule: str = "last") -> dict:
+    """{arm: {seed: value}} of metric spec `m` (metric, aggregate, lower) over `runs_by_arm`'s runs.
+    A run that stopped early counts by `rule`: `last`, its aggregate over what it logged (the
+    arm's worst value when that is none); `worst`, the worst value of its arm's finished runs. A
+    run without a value and an arm without any finished run's value are absent."""
+    out = {}
+    for arm, runs in arms.items():
+        values = {s: aggregate(r, m.metric, m.aggregate, m.lower) for s, r in runs.items()}
+        done = [v for s, v in values.items() if runs[s].finished and v is not None]
+        worst = (max if lower_is_better(m.aggregate, m.lower) else min)(done) if done else None
+        for s, r in runs.items():
+            if not r.finished and (rule == "worst" or values[s] is None):
+                values[s] = worst
+        out[arm] = {s: v for s, v in values.items() if v is not None}
+    return out
 
 
 def pair(values: dict, base: str, arm: str) -> tuple[list[float], list[float]]:
@@ -46,73 +55,87 @@ def pair(values: dict, base: str, arm: str) -> tuple[list[float], list[float]]:
     return [values[base][s] for s in seeds], [values[arm][s] for s in seeds]
 
 
-def decide(
-    spec, d: stats.Difference, p_adj: float, engaged: bool | None, capped: bool, learned: bool | None = None
-) -> tuple[str, str]:
-    """The verdict and its reason for one treatment's primary difference d (treatment - baseline)."""
-    if learned is False:
-        return (
-            "not tested",
-            "the baseline did not learn (the learning check failed), so the testbed cannot show the claim",
+def unpaired(values: dict, base: str, arm: str) -> list[str]:
+    """A line for each seed one of the two arms has a value for and the other not (never ran, or
+    no value): the pair cannot be formed, and the README says so."""
+    a, b = set(values.get(base, {})), set(values.get(arm, {}))
+    return [
+        f"{arm} - {base}: seed {s} has no value in {base if s in b else arm}; its pair is missing"
+        for s in sorted(a ^ b)
+    ]
+
+
+MIN_PAIRS = 3  # fewer pairs give no verdict
+
+
+def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict) -> tuple[str, str]:
+    """The verdict and its reason for one treatment's primary difference d (treatment - baseline),
+    given its Holm-adjusted p of no difference (`p_sig`) and of TOST at the margin (`p_eq`) and
+    the gates (`gates`: learned, premises, sensitive, engaged: True, False or None for not declared)."""
+    failed = [why for key, why in GATE_WORDS.items() if gates.get(key) is False]
+    if failed:
+        return "not tested", failed[0]
+    if d.n < MIN_PAIRS:
+        return "inconclusive", f"only {d.n} paired runs (a verdict needs at least {MIN_PAIRS})"
+    if d.zero_variance:
+        return "inconclusive", "every pair differs by the same amount: no spread, no test"
+    word, why = outcome(spec, d, p_sig, p_eq)
+    if word == "equivalent" and gates.get("sensitive") is None:
+        return "not tested", (
+            f"no positive control showed that this testbed can see an effect of {spec.primary.smallest_effect:g}, "
+            f"so an equivalence says nothing here ({why})"
         )
-    if engaged is False:
-        return "not tested", "the engagement check failed: the treatment did not act enough to test the claim"
-    if d.n < 2:
-        return "inconclusive", f"only {d.n} paired runs"
-    judge = judge_equality if spec.primary.direction == "equal" else judge_direction
-    verdict, need = judge(spec, d, p_adj)
-    if verdict is not None:
-        return verdict
-    cost = f"; about {need} seeds per arm would decide it at the observed spread" if need else ""
-    return "inconclusive", (
-        f"undecided at the seed cap ({spec.seeds.cap})" if capped else f"undecided at the planned {d.n} seeds"
-    ) + cost
+    missing = [
+        name for name, key in (("positive control", "sensitive"), ("premise", "premises")) if gates.get(key) is None
+    ]
+    return word + (" (not gated)" if missing else ""), why + (
+        f"; not gated: no {' and no '.join(missing)} declared" if missing else ""
+    )
 
 
-def bounds(d: stats.Difference) -> tuple[float, float]:
-    """The difference's interval (the difference itself when every pair differs by the same)."""
-    return (d.diff, d.diff) if d.zero_variance else d.interval
+GATE_WORDS = {
+    "learned": "the baseline did not learn by the learning margin, so the testbed cannot show the claim",
+    "premises": "a premise of the claim did not hold on this testbed (see Premises)",
+    "sensitive": "the positive control did not move the primary metric by the smallest effect: the testbed "
+    "cannot see this mechanism",
+    "engaged": "the engagement check failed: the treatment did not act enough to test the claim",
+}
 
 
-def judge_equality(spec, d: stats.Difference, p_adj: float) -> tuple[tuple[str, str] | None, int | None]:
-    """A claimed equality: equivalent or refuted with the reason, else None and the seeds per arm
-    that would decide it."""
-    delta, alpha = spec.primary.smallest_effect, spec.alpha
-    lo, hi = bounds(d)
-    if p_adj < alpha:
-        return (
-            "equivalent",
-            f"the difference lies within ±{delta:g} (TOST adjusted p = {p_adj:.2g}): the claim holds",
-        ), None
-    if lo > delta or hi < -delta:
-        return ("refuted", f"the interval [{lo:+.3f}, {hi:+.3f}] lies outside ±{delta:g}"), None
-    return None, stats.seeds_for_equivalence(delta, d.sd, spec.power, alpha)
-
-
-def judge_direction(spec, d: stats.Difference, p_adj: float) -> tuple[tuple[str, str] | None, int | None]:
-    """A claimed direction (higher or lower): reproduced (a significant difference that way; the
-    reason says when it is smaller than the declared smallest effect), equivalent (no effect as
-    large as the smallest either way) or refuted with the reason, else None and the seeds per arm
-    that would decide it."""
-    delta, direction, alpha = spec.primary.smallest_effect, spec.primary.direction, spec.alpha
-    lo, hi = bounds(d)
-    sign = 1 if direction == "higher" else -1
-    if sign * d.diff > 0 and (p_adj < alpha or d.zero_variance):
-        how = "in every pair" if d.zero_variance else f"adjusted p = {p_adj:.2g}"
-        small = f", but smaller than the declared smallest effect of {delta:g}" if sign * d.diff < delta else ""
-        return ("reproduced", f"the difference is {direction} than 0 ({how}){small}"), None
-    tost = d.tost(delta)
-    if tost < alpha:
-        return (
-            "equivalent",
-            f"no effect as large as {delta:g} either way (TOST p = {tost:.2g}): the claim fails here",
-        ), None
-    if max(sign * lo, sign * hi) < delta:  # the interval's far end in the claimed direction
-        return (
+def outcome(spec, d: stats.Difference, p_sig: float, p_eq: float) -> tuple[str, str]:
+    """Equivalence testing's outcomes (Lakens 2018) for significance against 0 and TOST against the
+    declared margin, both adjusted: reproduced (significant the claimed way, not inside the margin),
+    negligible (significant but inside it), equivalent (not significant, inside it), refuted
+    (significant against the claim), inconclusive (neither test decides)."""
+    delta, alpha, direction = spec.primary.smallest_effect, spec.alpha, spec.primary.direction
+    sig, equal = p_sig < alpha, p_eq < alpha
+    tests = f"adjusted p = {p_sig:.2g}, TOST at ±{delta:g} adjusted p = {p_eq:.2g}"
+    if sig and equal:
+        return "negligible", f"a real difference, but inside ±{delta:g} ({tests})"
+    if equal:
+        return "equivalent", f"no difference as large as {delta:g} either way ({tests})"
+    if not sig:
+        return "inconclusive", f"neither a difference nor an equivalence is shown ({tests}){need(spec, d)}"
+    if direction == "equal":
+        return "refuted", f"a difference beyond ±{delta:g} ({tests})"
+    toward = (d.diff > 0) == (direction == "higher")
+    return (
+        ("reproduced", f"the difference is {direction} than 0 and not inside ±{delta:g} ({tests})")
+        if toward
+        else (
             "refuted",
-            f"the interval [{lo:+.3f}, {hi:+.3f}] excludes the claimed effect of {delta:g} {direction}",
-        ), None
-    return None, stats.seeds_for_power(delta, d.sd, True, spec.power, alpha)
+            f"the difference goes against the claim ({tests})",
+        )
+    )
+
+
+def need(spec, d: stats.Difference) -> str:
+    """What more seeds would decide, at the observed spread."""
+    if spec.primary.direction == "equal":
+        n = stats.seeds_for_equivalence(spec.primary.smallest_effect, d.sd, spec.power, spec.alpha)
+    else:
+        n = stats.seeds_for_power(spec.primary.smallest_effect, d.sd, True, spec.power, spec.alpha)
+    return f"; about {n} seeds per arm would decide it at the observed spread" if n else ""
 
 
 def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]]:
@@ -121,7 +144,7 @@ def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]
     e = spec.engagement
     if e is None:
         return {}, ["no engagement check declared"]
-    values, passed, lines = per_run(arms, e), {}, []
+    values, passed, lines = per_run(arms, e, spec.unfinished), {}, []
     for arm in [e.arm] if e.arm else treatments:
         v = list(values.get(arm, {}).values())
         mean = sum(v) / len(v) if v else float("nan")
@@ -135,18 +158,20 @@ def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]
 
 
 def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
-    """Whether the baseline learned (its mean learning aggregate above 0 with its interval), and a
-    line for it and for each control arm against it; (None, []) when the study declares no check."""
+    """Whether the baseline learned: its mean learning aggregate exceeds the learning margin (twice
+    the smallest effect unless declared) with its whole interval; a line for it and for each control
+    arm against it; (None, []) when the study declares no check."""
     L = spec.learning
     if L is None:
         return None, []
-    values, name = per_run(arms, L), f"{aggregate_name(L.aggregate)} {L.metric}"
+    values, name = per_run(arms, L, spec.unfinished), f"{aggregate_name(L.aggregate)} {L.metric}"
+    margin = L.margin if L.margin is not None else 2 * spec.primary.smallest_effect
     gains = list(values.get(spec.baseline, {}).values())
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
-    learned = d.n >= 2 and (d.diff > 0 if d.zero_variance else d.interval[0] > 0)
+    learned = d.n >= 2 and not d.zero_variance and d.interval[0] > margin
     lines = [
-        f"{spec.baseline} (baseline): {name} = {d.describe()}: "
-        + ("passed" if learned else "FAILED, the baseline did not learn")
+        f"{spec.baseline} (baseline): {name} = {d.describe()}, needs its interval above {margin:g}: "
+        + ("passed" if learned else "FAILED, the baseline did not learn by the margin")
     ]
     for control in spec.controls:
         own = list(values.get(control, {}).values())
@@ -157,36 +182,84 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
     return learned, lines
 
 
+def sensitivity(spec, values: dict) -> tuple[bool | None, list[str]]:
+    """Whether the positive control moved the primary metric (its per-run values `values`) away from
+    the baseline in its direction, significantly and by at least the smallest effect."""
+    S = spec.sensitivity
+    if S is None:
+        return None, ["no positive control declared: an equivalence cannot be told from an insensitive testbed"]
+    direction, delta = S.direction or spec.primary.direction, spec.primary.smallest_effect
+    d = stats.paired(*pair(values, spec.baseline, S.arm), spec.alpha)
+    sign = 1 if direction == "higher" else -1
+    seen = d.n >= MIN_PAIRS and not d.zero_variance and d.p < spec.alpha and sign * d.diff >= delta
+    return seen, [
+        f"{S.arm} - {spec.baseline} (positive control, needs {direction} by >= {delta:g}, p < {spec.alpha:g}): "
+        f"{d.describe()}: " + ("passed" if seen else "FAILED, the testbed does not show the mechanism")
+    ]
+
+
+def premises(spec, arms: dict) -> tuple[bool | None, list[str]]:
+    """Whether every premise held (its arm's mean aggregate within its bound); None when none is declared."""
+    if not spec.premises:
+        return None, ["no premise declared"]
+    held, lines = True, []
+    for p in spec.premises:
+        arm = p.arm or spec.baseline
+        v = list(per_run(arms, p, spec.unfinished).get(arm, {}).values())
+        mean = sum(v) / len(v) if v else float("nan")
+        ok = (mean >= p.at_least) if p.at_least is not None else (mean <= p.at_most)
+        held = held and ok
+        bound = f">= {p.at_least:g}" if p.at_least is not None else f"<= {p.at_most:g}"
+        lines.append(
+            f"{p.why or p.metric}: {arm}'s {aggregate_name(p.aggregate)} {p.metric} = {mean:.4g} over {len(v)} runs, "
+            f"needs {bound}: " + ("held" if ok else "FAILED")
+        )
+    return held, lines
+
+
 def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict:
     """Every number of the report, from the records alone; `robust` False leaves out the secondary
     lines' bootstrap statistics (the slow part), for a summary that needs only the verdicts."""
     treatments = [a for a in spec.arms if a != spec.baseline]
-    arms, left_out = runs_by_arm(records)
-    values = per_run(arms, spec.primary)
+    arms, unfinished = runs_by_arm(records)
+    values = per_run(arms, spec.primary, spec.unfinished)
     diffs = {arm: stats.paired(*pair(values, spec.baseline, arm), alpha=spec.alpha) for arm in treatments}
-    equal = spec.primary.direction == "equal"  # two-sided p for a claimed direction, TOST's p for a claimed equality
-    raw = [d.tost(spec.primary.smallest_effect) if equal else d.p for d in diffs.values()]
-    adjusted = stats.holm(raw)
+    delta = spec.primary.smallest_effect
+    p_sig = dict(zip(treatments, stats.holm([d.p for d in diffs.values()])))
+    p_eq = dict(zip(treatments, stats.holm([d.tost(delta) for d in diffs.values()])))
     engaged, engagement_lines = engagement(spec, arms, treatments)
     learned, learning_lines = learning(spec, arms)
-    capped = bool(plan and plan.get("capped"))
+    sensitive, sensitivity_lines = sensitivity(spec, values)
+    held, premise_lines = premises(spec, arms)
+    gates = {"learned": learned, "premises": held, "sensitive": sensitive}
     verdicts = {
-        arm: decide(spec, diffs[arm], p, engaged.get(arm), capped, learned) for arm, p in zip(treatments, adjusted)
+        arm: decide(spec, diffs[arm], p_sig[arm], p_eq[arm], {**gates, "engaged": engaged.get(arm)})
+        for arm in treatments
     }
+    if plan and plan.get("capped"):
+        verdicts = {
+            a: (w, f"{why}; at the seed cap ({spec.seeds.cap})" if w.startswith("inconclusive") else why)
+            for a, (w, why) in verdicts.items()
+        }
     secondary = secondary_differences(spec, arms, treatments, robust)
     return {
         "treatments": treatments,
         "values": values,
         "diffs": diffs,
-        "p_raw": dict(zip(treatments, raw)),
-        "p_adjusted": dict(zip(treatments, adjusted)),
+        "p_adjusted": p_sig,
+        "p_tost_adjusted": p_eq,
         "verdicts": verdicts,
         "engagement": engagement_lines,
         "learned": learned,
         "learning": learning_lines,
+        "sensitive": sensitive,
+        "sensitivity": sensitivity_lines,
+        "premises": premise_lines,
+        "held": held,
         "secondary": secondary,
         "secondary_holm": stats.holm([d.p for _, d, *_ in secondary]),
-        "left_out": left_out,
+        "unfinished": unfinished,
+        "unpaired": [line for arm in [*treatments, *spec.controls] for line in unpaired(values, spec.baseline, arm)],
         "arms": arms,
     }
 
@@ -196,7 +269,7 @@ def secondary_differences(spec, arms: dict, treatments: list[str], robust: bool)
     every treatment: (label, difference, robust or None, arm, lower is better)."""
     lines = []
     for m in spec.secondary:
-        vals = per_run(arms, m)
+        vals = per_run(arms, m, spec.unfinished)
         for arm in treatments:
             a, b = pair(vals, spec.baseline, arm)
             label = f"{aggregate_name(m.aggregate)} {m.metric}: {arm} - {spec.baseline}"
@@ -235,6 +308,23 @@ def seed_words(spec, plan: dict | None) -> str:
     return seeds + f"; planned {plan['seeds']} per arm (needed {plan['needed']}{sds})"
 
 
+def gate_words(spec) -> list[str]:
+    """The positive control, the premises and the rule for runs that stopped early, in words."""
+    S, delta = spec.sensitivity, spec.primary.smallest_effect
+    lines = [
+        f"- Positive control: `{S.arm}` must differ from the baseline {S.direction or spec.primary.direction} by "
+        f">= {delta:g}, significantly; failing it, no verdict"
+        if S
+        else "- Positive control: none declared (so no equivalence is reported; other verdicts are not gated)"
+    ]
+    lines += [
+        f"- Premise: {p.why or p.metric}: {p.arm or spec.baseline}'s {aggregate_name(p.aggregate)} {p.metric} "
+        + (f">= {p.at_least:g}" if p.at_least is not None else f"<= {p.at_most:g}")
+        for p in spec.premises
+    ] or ["- Premises: none declared"]
+    return lines + [f"- Runs that stop early count by: {spec.unfinished}"]
+
+
 def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
     """The study file in words, with the plan fixed from the pilot."""
     P = spec.primary
@@ -248,17 +338,21 @@ def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
         f"- Claim: {spec.claim.strip()} ({spec.source})",
         f"- Arms: {arms}; baseline `{spec.baseline}`; shared overrides: {' '.join(spec.config) or 'none'}",
         f"- Primary: {aggregate_name(P.aggregate)} of {P.metric} per run; each treatment {effect} against the "
-        f"baseline; alpha {spec.alpha:g} (Holm across {treatments} treatment(s)), power {spec.power:g}",
+        f"baseline; alpha {spec.alpha:g} for significance and for TOST at the smallest effect (each Holm across "
+        f"{treatments} treatment(s)), power {spec.power:g}; outcomes: reproduced, negligible, equivalent, refuted, "
+        "inconclusive",
         "- Secondary (Holm across every line): "
         + (", ".join(f"{aggregate_name(m.aggregate)} {m.metric}" for m in spec.secondary) or "none"),
         f"- Engagement: {engagement_words(spec.engagement)}",
     ]
     if spec.learning is not None:
+        L = spec.learning
+        margin = L.margin if L.margin is not None else 2 * P.smallest_effect
         lines.append(
-            f"- Learning check: the baseline's {aggregate_name(spec.learning.aggregate)} "
-            f"{spec.learning.metric} per run is above 0 with its {1 - spec.alpha:.0%} interval; failing it, "
-            "no verdict"
+            f"- Learning check: the baseline's {aggregate_name(L.aggregate)} {L.metric} per run exceeds {margin:g} "
+            f"with its whole {1 - spec.alpha:.0%} interval; failing it, no verdict"
         )
+    lines += gate_words(spec)
     if spec.controls:
         lines.append(
             "- Controls, beside the baseline on the learning metric: "
@@ -272,11 +366,10 @@ def verdict_lines(spec, r: dict) -> list[str]:
     lines = []
     for arm in r["treatments"]:
         word, why = r["verdicts"][arm]
-        adjusted = f"adjusted p = {r['p_adjusted'][arm]:.2g}; " if len(r["treatments"]) > 1 else ""
         lines += [
             f"### Verdict, {arm} against {spec.baseline}: {word}",
             "",
-            f"{arm} - {spec.baseline}: {r['diffs'][arm].describe()}; {adjusted}{why}.",
+            f"{arm} - {spec.baseline}: {r['diffs'][arm].describe()}; {why}.",
             "",
         ]
         rob = stats.robust(*pair(r["values"], spec.baseline, arm), spec.primary.lower, spec.alpha)
@@ -339,10 +432,16 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
     lines += verdict_lines(spec, r)
     if r["learning"]:
         lines += ["### Learning check", "", *[f"- {x}" for x in r["learning"]], ""]
+    lines += ["### Positive control", "", *[f"- {x}" for x in r["sensitivity"]], ""]
+    lines += ["### Premises", "", *[f"- {x}" for x in r["premises"]], ""]
     lines += ["### Engagement", "", *[f"- {e}" for e in r["engagement"]], ""]
     lines += secondary_lines(spec, r)
-    if r["left_out"]:
-        lines += ["### Runs left out", "", *[f"- {x}" for x in r["left_out"]], ""]
+    if r["unfinished"]:
+        rule = {"last": "its aggregate over what it logged", "worst": "its arm's worst value"}[spec.unfinished]
+        lines += ["### Runs that stopped early (counted, as declared, by " + rule + ")", ""]
+        lines += [*[f"- {x}" for x in r["unfinished"]], ""]
+    if r["unpaired"]:
+        lines += ["### Seeds without a pair", "", *[f"- {x}" for x in r["unpaired"]], ""]
     lines += provenance_lines(records, name)
     if plot_primary(spec, r["arms"], results):
         lines += [f"![{P.metric}](results/{P.metric.replace('/', '_')}.png)", ""]
