@@ -46,7 +46,16 @@ class Learning(MetricSpec):
 
     metric: str = "eval/accuracy"
     aggregate: str = "gain:3"
-    margin: float | None = None  # the gain the baseline must exceed; None = twice primary.smallest_effect
+    margin: float | None = None  # the gain the baseline must exceed; None = twice primary.smallest_effect when
+    # `metric` is the primary metric (the same units), else 0
+
+
+def learning_margin(spec) -> float:
+    """The gain the baseline must exceed with its whole interval (see `Learning.margin`)."""
+    L = spec.learning
+    if L.margin is not None:
+        return L.margin
+    return 2 * spec.primary.smallest_effect if L.metric == spec.primary.metric else 0.0
 
 
 @dataclass

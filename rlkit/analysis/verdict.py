@@ -13,6 +13,7 @@ from rlkit.analysis import stats
 from rlkit.analysis.compare import fmt, plot
 from rlkit.analysis.runs import aggregate, aggregate_name, from_rows, lower_is_better
 from rlkit.analysis.stats import mean_ci
+from rlkit.analysis.study import learning_margin
 from rlkit.sinks import flatten
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
@@ -158,14 +159,14 @@ def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]
 
 
 def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
-    """Whether the baseline learned: its mean learning aggregate exceeds the learning margin (twice
-    the smallest effect unless declared) with its whole interval; a line for it and for each control
+    """Whether the baseline learned: its mean learning aggregate exceeds the learning margin
+    (`learning_margin`) with its whole interval; a line for it and for each control
     arm against it; (None, []) when the study declares no check."""
     L = spec.learning
     if L is None:
         return None, []
     values, name = per_run(arms, L, spec.unfinished), f"{aggregate_name(L.aggregate)} {L.metric}"
-    margin = L.margin if L.margin is not None else 2 * spec.primary.smallest_effect
+    margin = learning_margin(spec)
     gains = list(values.get(spec.baseline, {}).values())
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
     learned = d.n >= 2 and not d.zero_variance and d.interval[0] > margin
@@ -347,9 +348,9 @@ def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
     ]
     if spec.learning is not None:
         L = spec.learning
-        margin = L.margin if L.margin is not None else 2 * P.smallest_effect
         lines.append(
-            f"- Learning check: the baseline's {aggregate_name(L.aggregate)} {L.metric} per run exceeds {margin:g} "
+            f"- Learning check: the baseline's {aggregate_name(L.aggregate)} {L.metric} per run exceeds "
+            f"{learning_margin(spec):g} "
             f"with its whole {1 - spec.alpha:.0%} interval; failing it, no verdict"
         )
     lines += gate_words(spec)
