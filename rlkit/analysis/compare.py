@@ -282,7 +282,9 @@ def parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="each run's one number: final, last:K (mean of the last K logged values), auc or "
         "auc:tokens (mean height of the curve over steps, or over generated tokens), gain (final minus "
-        "step 0); 'best' (after step 0) is always shown beside it",
+        "step 0), start (the step-0 value), reach:X[:tokens|:time] (steps, tokens or seconds until the "
+        "metric first reaches X; a run that never does counts at its end); 'best' (after step 0) is always "
+        "shown beside it",
     )
     p.add_argument("--threshold", type=float, help="report steps until the first metric reaches this value")
     p.add_argument("--lower", nargs="*", default=[], help="metrics where lower is better")

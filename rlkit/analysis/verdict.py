@@ -225,23 +225,18 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
     arms, unfinished = runs_by_arm(records)
     values = per_run(arms, spec.primary, spec.unfinished)
     diffs = {arm: stats.paired(*pair(values, spec.baseline, arm), alpha=spec.alpha) for arm in treatments}
-    delta = spec.primary.smallest_effect
     p_sig = dict(zip(treatments, stats.holm([d.p for d in diffs.values()])))
-    p_eq = dict(zip(treatments, stats.holm([d.tost(delta) for d in diffs.values()])))
+    p_eq = dict(zip(treatments, stats.holm([d.tost(spec.primary.smallest_effect) for d in diffs.values()])))
     engaged, engagement_lines = engagement(spec, arms, treatments)
     learned, learning_lines = learning(spec, arms)
     sensitive, sensitivity_lines = sensitivity(spec, values)
     held, premise_lines = premises(spec, arms)
     gates = {"learned": learned, "premises": held, "sensitive": sensitive}
-    verdicts = {
-        arm: decide(spec, diffs[arm], p_sig[arm], p_eq[arm], {**gates, "engaged": engaged.get(arm)})
-        for arm in treatments
-    }
-    if plan and plan.get("capped"):
-        verdicts = {
-            a: (w, f"{why}; at the seed cap ({spec.seeds.cap})" if w.startswith("inconclusive") else why)
-            for a, (w, why) in verdicts.items()
-        }
+    capped = f"; at the seed cap ({spec.seeds.cap})" if plan and plan.get("capped") else ""
+    verdicts = {}
+    for arm in treatments:
+        w, why = decide(spec, diffs[arm], p_sig[arm], p_eq[arm], {**gates, "engaged": engaged.get(arm)})
+        verdicts[arm] = (w, why + capped if w.startswith("inconclusive") else why)
     secondary = secondary_differences(spec, arms, treatments, robust)
     return {
         "treatments": treatments,
