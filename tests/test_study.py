@@ -129,14 +129,8 @@ def test_no_verdict_from_fewer_than_three_pairs_or_from_zero_spread_alone(tmp_pa
 
 def gated(tmp_path, **changes):
     """A study with a positive control `c` (higher by the smallest effect) and a premise on the start."""
-    return write_spec(
-        tmp_path,
-        controls={"c": ["loss.eps_high=10"]},
-        learning={"aggregate": "gain:2", "margin": 0.05},
-        sensitivity={"arm": "c"},
-        premises=[{"metric": "eval/accuracy", "at_most": 0.35, "why": "the start is far from the ceiling"}],
-        **changes,
-    )
+    premise = {"metric": "eval/accuracy", "at_most": 0.35, "why": "the start is far from the ceiling"}
+    return write_spec(tmp_path, **{**gated_args(), "premises": [premise], **changes})
 
 
 def test_a_positive_control_a_premise_and_the_learning_margin_gate_every_verdict(tmp_path):
