@@ -9,7 +9,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
@@ -77,6 +77,7 @@ class EvalConfig:
     max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
     samples: int = 0  # k > 0: also eval/mean@k, k completions per prompt at the rollout temperature
     seed: int = 0  # random state of those samples, the same at every evaluation of every run
+    pass_k: List[int] = field(default_factory=list)  # k of eval/pass@k (unbiased, from those samples), <= samples
 
 
 @dataclass
@@ -287,6 +288,8 @@ def check_run_values(cfg: DictConfig) -> None:
     require(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
     require(cfg.eval.batch_size >= 1, f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
     require(cfg.eval.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {cfg.eval.samples}")
+    bad_k = [k for k in cfg.eval.pass_k if not (1 <= k <= cfg.eval.samples)]
+    require(not bad_k, f"eval.pass_k needs integers in [1, eval.samples={cfg.eval.samples}], got {bad_k}")
     require(
         not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
         f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import sys
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -13,6 +14,15 @@ from tqdm import tqdm
 from rlkit.logprobs import token_logprobs
 from rlkit.metrics import by_difficulty, feature_metrics, hardest_third
 from rlkit.metrics import mean_or_none as mean
+
+
+class Answers(NamedTuple):
+    """What the engine wrote for E rows, and how it scored."""
+
+    correct: torch.Tensor  # [E] bool, reward > 0
+    lengths: torch.Tensor  # [E] completion tokens
+    truncated: torch.Tensor  # [E] bool, no EOS within the budget
+    texts: list[str]  # E
 
 
 def answers(
@@ -24,17 +34,18 @@ def answers(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Whether each row's completion is correct (reward > 0), its length in tokens, and its text.  -> [E], [E], E"""
-    correct, lengths, every = [], [], []
+) -> Answers:
+    """Each row's completion, scored by the task's reward."""
+    correct, lengths, truncated, every = [], [], [], []
     for start in tqdm(range(0, len(rows_all), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
         rows = rows_all[start : start + batch_size]
         gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature, top_p)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         correct.append(task.score(rows, texts) > 0)  # [n]
         lengths.append(gen.completion_mask.sum(-1).float())  # [n]
+        truncated.append(gen.truncated)  # [n]
         every += texts
-    return torch.cat(correct), torch.cat(lengths), every  # [E], [E], E
+    return Answers(torch.cat(correct), torch.cat(lengths), torch.cat(truncated), every)
 
 
 @torch.no_grad()
@@ -68,18 +79,24 @@ def evaluate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     seed: int = 0,
+    pass_k=(),
     policy=None,
 ) -> dict:
-    """Greedy accuracy and mean completion length (tokens) of correct and incorrect answers; with
-    `samples` = k > 0 also `eval/mean@k`, the accuracy of k completions per prompt sampled at the
-    rollout's temperature. The sampling draws from its own generator state (`seed`, the same at
-    every evaluation), so it neither moves training's random stream nor differs between runs. Each
+    """Greedy accuracy, the share of answers that hold the right answer anywhere (`eval/present`,
+    the task's lenient score) and mean completion length (tokens) of correct and incorrect answers; with
+    `samples` = n > 0 also `eval/mean@n`, the accuracy of n completions per prompt sampled at the
+    rollout's temperature, and `eval/pass@k` for each k of `pass_k`. The sampling draws from its
+    own generator state (`seed`, the same at every evaluation), so it neither moves training's
+    random stream nor differs between runs. Each
     accuracy is also given per difficulty level (`_d<k>`) and over the hardest third of levels (`_hard`).
     With the `policy`, also its entropy on a fixed probe set (`probe_entropy`)."""
     rows_all = task.eval.to_list()
-    ok, lens, texts = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E], [E], E
+    ok, lens, _, texts = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E], [E], [E], E
+    present = torch.tensor([task.present(r, t) for r, t in zip(rows_all, texts)]).float()  # [E]
     out = {
         "eval/accuracy": mean(ok.float()),
+        "eval/present": mean(present),
+        **by_difficulty(rows_all, present, "eval/present"),
         "eval/len_correct": mean(lens[ok]),
         "eval/len_incorrect": mean(lens[~ok]),
         **by_difficulty(rows_all, ok.float(), "eval/acc"),
@@ -88,20 +105,46 @@ def evaluate(
     }
     out.update(probe_entropy(policy, tokenizer, task, batch_size))
     if samples:
-        options = batch_size, max_new_tokens, temperature, top_p, seed
+        options = batch_size, max_new_tokens, temperature, top_p, seed, pass_k
         out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, *options))
     return out
 
 
+def pass_at_k(n: int, correct: torch.Tensor, k: int) -> torch.Tensor:
+    """The unbiased pass@k estimator (Chen et al. 2021, arXiv 2107.03374) of each prompt from `correct`
+    of its `n` samples right: 1 - C(n-c, k) / C(n, k), the chance that k of the n drawn without
+    replacement hold at least one right answer, computed as a product (no large binomials).  [E] -> [E]"""
+    i = torch.arange(n - k + 1, n + 1, dtype=torch.float64)  # [k]: n-k+1 .. n
+    # C(n-c, k) / C(n, k) = prod_{i=n-k+1}^{n} (i - c) / i; a factor is 0 (i = c) as soon as n - c < k
+    miss = ((i[None, :] - correct.double()[:, None]) / i[None, :]).clamp(min=0).prod(-1)  # [E]
+    return (1.0 - miss).float()  # [E]
+
+
 def sampled_accuracy(
-    engine, tokenizer, task, rows: list[dict], k: int, batch_size, max_new_tokens, temperature, top_p, seed
+    engine, tokenizer, task, rows: list[dict], n: int, batch_size, max_new_tokens, temperature, top_p, seed, pass_k=()
 ) -> dict:
-    """`eval/mean@k` (per difficulty level and over the hardest third too): the accuracy of k
-    completions per prompt sampled at `temperature`, drawn from the generator state `seed`."""
-    repeated = [r for r in rows for _ in range(k)]  # E * k rows, each prompt's k together
+    """`eval/mean@n` and `eval/pass@k` for each k of `pass_k` (per difficulty level and over the
+    hardest third too), from n completions per prompt sampled at `temperature`, drawn from the
+    generator state `seed`. mean@n is the unbiased pass@1."""
+    options = batch_size, max_new_tokens, temperature, top_p, seed
+    hits = sampled_answers(engine, tokenizer, task, rows, n, *options).correct.float().view(len(rows), n)  # [E, n]
+    out = {}
+    for name, per_prompt in (
+        (f"eval/mean@{n}", hits.mean(-1)),
+        *((f"eval/pass@{k}", pass_at_k(n, hits.sum(-1), k)) for k in pass_k),
+    ):
+        out.update(
+            {name: mean(per_prompt), **by_difficulty(rows, per_prompt, name), **hardest_third(rows, per_prompt, name)}
+        )
+    return out
+
+
+def sampled_answers(
+    engine, tokenizer, task, rows: list[dict], n: int, batch_size, max_new_tokens, temperature, top_p, seed
+) -> Answers:
+    """n completions per prompt sampled at `temperature` from the generator state `seed`, each
+    prompt's n together (E * n rows)."""
+    repeated = [r for r in rows for _ in range(n)]
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        hit, _, _ = answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
-    per_prompt = hit.float().view(len(rows), k).mean(-1)  # [E]
-    name = f"eval/mean@{k}"
-    return {name: mean(per_prompt), **by_difficulty(rows, per_prompt, name), **hardest_third(rows, per_prompt, name)}
+        return answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)

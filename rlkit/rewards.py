@@ -41,6 +41,20 @@ class Format(RewardFunction):
         return float(bool(self.pattern.search(completion)))
 
 
+class Feature(RewardFunction):
+    """The task's own per-completion feature `name` (`task.features(completion)[name]`) as the
+    reward: e.g. the graded testbed's `formatted`, a format-only control that pays for the answer
+    sentence whether or not its number is right."""
+
+    def __init__(self, name: str, weight: float = 1.0):
+        self.name, self.weight = name, weight
+
+    def __call__(self, row: dict, completion: str, task) -> float:
+        if task.features is None or self.name not in task.features(completion):
+            raise ValueError(f"the task has no feature {self.name!r}")
+        return float(task.features(completion)[self.name])
+
+
 class LengthPenalty(RewardFunction):
     """0 up to `max_chars` characters, then falling linearly to -1 at twice that."""
 

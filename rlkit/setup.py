@@ -186,6 +186,7 @@ def eval_options(cfg: DictConfig) -> dict:
         temperature=R.temperature,
         top_p=R.top_p,
         seed=cfg.eval.seed,
+        pass_k=tuple(cfg.eval.pass_k),
     )
 
 

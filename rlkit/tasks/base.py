@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 
 import numpy as np
 import torch
@@ -123,6 +124,14 @@ class Task:
 
     def reward(self, row: dict, completion: str) -> float:
         raise NotImplementedError
+
+    def present(self, row: dict, completion: str) -> bool:
+        """A lenient score beside the reward (`eval/present`): the row's answer appears anywhere in
+        the completion as a whole word or number ("22" in "so 22 it is", not in "122" or "2.22"), in
+        whatever format. Where the reward is 0 but this holds, the model knew the answer and did not
+        put it where the reward reads it."""
+        answer = re.escape(str(row["answer"]))
+        return re.search(rf"(?<![\w.]){answer}(?![\w]|\.\d)", completion) is not None
 
     def step_rewards(self, row: dict, completion: str) -> list[tuple[int, float]]:
         """(end character index, reward) per reasoning step; one outcome step by default."""

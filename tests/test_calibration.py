@@ -1,0 +1,131 @@
+"""pass@k, the graded testbed and `rlkit-calibrate`: the unbiased estimator against its binomial
+formula, the testbed's splits and reward on hand-written completions, and the calibration of a
+starting policy against what a training run's own step-0 evaluation reports."""
+
+import json
+import re
+from math import comb
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import FAST, make_cfg
+from rlkit.calibrate import main as calibrate
+from rlkit.config import ConfigError, check_values
+from rlkit.evaluate import pass_at_k
+from rlkit.rewards import Feature
+from rlkit.tasks.arithmetic import Arithmetic
+from rlkit.tasks.graded import LEVELS, Graded
+from rlkit.train import run
+
+
+@given(st.integers(1, 40).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n), st.lists(st.integers(0, n)))))
+def test_pass_at_k_is_one_minus_the_binomial_ratio(case):
+    n, k, counts = case
+    got = pass_at_k(n, torch.tensor(counts, dtype=torch.long), k)  # [E]
+    want = [1 - comb(n - c, k) / comb(n, k) for c in counts]
+    assert got.tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_pass_at_k_by_hand():
+    c = torch.tensor([0, 1, 2, 4])  # right samples of 4
+    assert pass_at_k(4, c, 1).tolist() == pytest.approx([0, 0.25, 0.5, 1])  # c / n
+    assert pass_at_k(4, c, 2).tolist() == pytest.approx([0, 0.5, 1 - 1 / 6, 1])  # 1 - C(4-c,2)/6
+    assert pass_at_k(4, c, 4).tolist() == [0, 1, 1, 1]  # any right one
+
+
+def key(row: dict) -> tuple:
+    """A question up to the order of its operands."""
+    op = "*" if "*" in row["expr"] else "+"
+    return (op, *sorted(int(t) for t in row["expr"].split(f" {op} ")))
+
+
+def test_graded_splits_share_no_question_even_reordered_and_every_level_is_drawn_equally():
+    task = Graded(n_train=100, n_eval=16)
+    held = {key(r) for r in task.eval}
+    assert not held & {key(r) for r in task.train}
+    assert len(held) == len(task.eval) == 16 * len(LEVELS)  # no two held-out questions are twins either
+    for place, name in enumerate(LEVELS, 1):
+        rows = [r for r in task.train if r["level"] == name]
+        assert len(rows) == 100 and {r["difficulty"] for r in rows} == {place}
+        op, tuples = LEVELS[name]
+        pool = {t for t in tuples if (op, *sorted(t)) not in held}  # every question not held out, reordered or not
+        assert {r["expr"] for r in rows} == {f" {op} ".join(map(str, t)) for t in pool} or len(pool) > 100
+        assert len({r["expr"] for r in rows}) == min(100, len(pool))  # each once before any repeats
+    assert task.eval[0]["prompt"].startswith(f"What is {task.eval[0]['expr']}?")
+
+
+def test_graded_answers_by_hand():
+    row = {"answer": "85"}
+    assert Graded.reward(None, row, "27 + 58 makes 85, so the answer is 85.") == 1.0
+    assert Graded.reward(None, row, "The answer is: **85**\n") == 1.0  # markdown and a colon are fine
+    for wrong in (
+        "The answer is 27 + 58 = 85.",  # a restated question
+        "To add 27 and 58 we get 85",  # no answer sentence
+        "The answer is 8",  # a sentence cut by the budget
+        "The answer is 85.3.",  # not the integer
+        "The answer is 85. No wait, the answer is 84.",  # the last answer counts
+        "The answer is 80.",
+    ):
+        assert Graded.reward(None, row, wrong) == 0.0, wrong
+    task = Graded(n_eval=2)
+    assert task.present(row, "27 + 58 = 85") and not task.present(row, "185 or 8.5")
+    assert task.features("The answer is 80.") == {"formatted": 1.0} and task.features("80") == {"formatted": 0.0}
+    assert Feature("formatted")(row, "The answer is 80.", task) == 1.0  # the format-only control pays for the form
+    with pytest.raises(ValueError, match="no feature 'worked'"):
+        Feature("worked")(row, "80", task)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"levels": ["sum_1d", "sum_9d"]}, "must name levels of"),
+        ({"levels": ["sum_1d", "sum_1d"]}, "names a level twice"),
+        ({"n_eval": 36, "levels": ["product_1d"]}, "36 distinct questions"),
+        ({"question": "What is it?"}, "must contain {expr}"),
+    ],
+)
+def test_graded_refuses_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=message):
+        Graded(**args)
+
+
+def test_calibration_agrees_with_a_runs_step_zero_evaluation(fast_cfg, warm_cache, tmp_path, capsys):
+    """The calibration's pass@1 and pass@k are those of `eval.samples` at a run's step 0 (the same
+    policy, sampling seed and budget); its greedy accuracy is the run's `eval/accuracy`."""
+    sizes = ["eval.samples=4", "eval.pass_k=[1,2,4]", "task.n_eval=12"]
+    run(fast_cfg(*sizes, "steps=1"), str(tmp_path / "run"))
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    out = tmp_path / "calibration.json"
+    assert calibrate([*FAST, f"warm_start.cache_dir={warm_cache}", *sizes, "--samples", "4", "--out", str(out)]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert levels["all"]["greedy_accuracy"] == first["eval/accuracy"]
+    for k in (1, 2, 4):
+        assert levels["all"][f"pass@{k}"] == pytest.approx(first[f"eval/pass@{k}"])
+        assert levels["d2"][f"pass@{k}"] == pytest.approx(first[f"eval/pass@{k}_d2"])
+    assert levels["all"]["pass@1"] == pytest.approx(first["eval/mean@4"])
+    a = levels["all"]
+    assert a["prompts"] == 12 and a["pass@1"] <= a["pass@2"] <= a["pass@4"]
+    assert 0 <= a["no_signal@4"] <= 1 and a["solved_never"] == pytest.approx(1 - a["pass@4"])  # k = n: any right
+    assert a["present"] >= a["pass@1"]  # a right answer holds the answer
+    assert "| level | prompts | greedy_accuracy |" in capsys.readouterr().out
+
+
+def test_calibration_and_pass_k_refuse_bad_input(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "calibration.json")]
+    assert calibrate([*FAST, "--samples", "0", *out]) == 2
+    assert calibrate([*FAST, "rollout.nonsense=1", *out]) == 2
+    assert calibrate([*FAST, "task.min_terms=1", *out]) == 2  # the task refuses its arguments
+    assert not list(tmp_path.iterdir())
+    assert "--samples must be >= 1" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=re.escape("eval.pass_k needs integers in [1, eval.samples=2], got [4, 0]")):
+        check_values(make_cfg(["eval.samples=2", "eval.pass_k=[1,4,0]"]))
+
+
+def test_the_arithmetic_testbed_s_lenient_score_finds_the_sum_in_worked_steps():
+    task = Arithmetic(n_train=4, n_eval=2)
+    row = {"answer": "22", "prompt": "3+14+5="}
+    assert task.present(row, "3+14=17;17+5=22;22") and task.present(row, "3+14=17;17+5=22;21")
+    assert not task.present(row, "3+14=17;17+5=122")
