@@ -33,15 +33,16 @@ from rlkit.setup import build_task_and_model, seed_everything
 from rlkit.tasks.base import TaskError
 
 
-def level_stats(n: int, group: int, budget: int, sampled, greedy, present: torch.Tensor) -> dict:
+def level_stats(task, n: int, group: int, budget: int, sampled, greedy, present: torch.Tensor) -> dict:
     """The calibration of E prompts from n samples each (`sampled`, E * n rows, each prompt's n
-    together), their greedy answers and whether each sample holds the right answer (`present`, [E * n])."""
+    together), their greedy answers and whether each sample holds the right answer (`present`,
+    [E * n]); the task's own features (e.g. `formatted`) as their mean over the samples."""
     right = sampled.correct.view(-1, n)  # [E, n]
     c = right.sum(-1)  # [E] right samples per prompt
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, n) if k <= n})
     # a group of G carries no signal when all G are right or all G are wrong: unbiased, as pass@k
     silent = (1 - pass_at_k(n, c, group)) + (1 - pass_at_k(n, n - c, group)) if group <= n else None  # [E]
-    ok = sampled.correct
+    ok, ended = sampled.correct, sampled.correct & ~sampled.truncated  # [E * n]
     return {
         "prompts": len(c),
         "greedy_accuracy": mean(greedy.correct.float()),
@@ -51,11 +52,20 @@ def level_stats(n: int, group: int, budget: int, sampled, greedy, present: torch
         "budget_hit": mean(sampled.truncated.float()),
         "len_correct": mean(sampled.lengths[ok]),
         "len_incorrect": mean(sampled.lengths[~ok]),
-        "len_correct_max": float(sampled.lengths[ok].max()) if ok.any() else None,
+        "len_correct_max": float(sampled.lengths[ended].max()) if ended.any() else None,  # of those that ended
         "present": mean(present),
         "present_not_read": mean((present.bool() & ~ok).float()),
+        **features(task, sampled.texts),
         "budget": budget,
     }
+
+
+def features(task, texts: list[str]) -> dict:
+    """The mean of each of the task's own features over `texts` ({} for a task without features)."""
+    if task.features is None or not texts:
+        return {}
+    feats = [task.features(t) for t in texts]
+    return {name: mean(torch.tensor([float(f[name]) for f in feats])) for name in feats[0]}
 
 
 def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
@@ -81,7 +91,9 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     out = {}
     for name, keep in levels.items():  # keep: [E]
         each = keep.repeat_interleave(n)  # [E * n]
-        out[name] = level_stats(n, R.group_size, budget, subset(sampled, each), subset(greedy, keep), present[each])
+        out[name] = level_stats(
+            task, n, R.group_size, budget, subset(sampled, each), subset(greedy, keep), present[each]
+        )
     return out
 
 
@@ -103,14 +115,18 @@ def _cell(v) -> str:
     return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlkit-calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="config overrides, as rlkit-train takes them")
     p.add_argument("--samples", type=int, default=16, help="completions per prompt (n)")
     p.add_argument("--split", choices=("train", "eval"), default="eval")
     p.add_argument("--prompts", type=int, default=0, help="the split's first P prompts (0: all)")
     p.add_argument("--out", help="write the calibration here as JSON")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     try:
         if a.samples < 1 or a.prompts < 0:
             raise ConfigError(f"--samples must be >= 1 and --prompts >= 0, got {a.samples}, {a.prompts}")

@@ -20,6 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from cli import metrics, run_cli
 from conftest import FAST
 from helpers import SIGN_ONLY, write_plugin
+from rlkit import calibrate
 from rlkit.analysis import compare, study, study_cli
 from rlkit.setup import validate
 
@@ -117,6 +118,8 @@ def check_command(cmd: str) -> None:
         train = train_overrides(tokens)
         if train is not None:
             assert check_train(*train) >= 1
+        elif tokens[0] == "rlkit-calibrate":
+            check_train(calibrate.parser().parse_args(tokens[1:]).overrides, 1)
         elif tokens[0] == "rlkit-compare":
             assert compare.parser().parse_args(tokens[1:]).metric
         elif tokens[0] == "rlkit-study":

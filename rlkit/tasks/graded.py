@@ -73,9 +73,10 @@ def _row(terms: tuple, op: str, difficulty: int, level: str) -> dict:
 
 
 class Graded(Task):
-    """Arithmetic questions in `levels` (names of `LEVELS`, easiest first; a row's `difficulty`
-    is its level's place, from 1), `n_eval` held-out questions and `n_train` training rows per
-    level, no question in both splits even reordered. `question` holds `{expr}`."""
+    """Arithmetic questions in `levels` (names of `LEVELS`; a row's `difficulty` is its level's
+    place, from 1; how hard each level is for a model is measured, with `rlkit-calibrate`),
+    `n_eval` held-out questions and `n_train` training rows per level, no question in both splits
+    even reordered. `question` holds `{expr}`."""
 
     def __init__(
         self,
