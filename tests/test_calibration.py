@@ -71,6 +71,7 @@ def test_graded_answers_by_hand():
     ):
         assert Graded.reward(None, row, wrong) == 0.0, wrong
     task = Graded(n_eval=2)
+    assert task.reward(task.eval[0], task.demonstration(task.eval[0], None)) == 1.0  # the probe set's answers are right
     assert task.present(row, "27 + 58 = 85") and not task.present(row, "185 or 8.5")
     assert task.features("The answer is 80.") == {"formatted": 1.0} and task.features("80") == {"formatted": 0.0}
     assert Feature("formatted")(row, "The answer is 80.", task) == 1.0  # the format-only control pays for the form

@@ -101,6 +101,11 @@ class Graded(Task):
             for split in (train, held)
         )
 
+    def demonstration(self, row: dict, rng: random.Random) -> str:
+        """A right answer in the asked format: the probe set of `eval/probe_entropy` (a pretrained
+        model's preset has no warm start, so nothing trains on it unless `warm_start.steps` > 0)."""
+        return f"The answer is {row['answer']}."
+
     def reward(self, row: dict, completion: str) -> float:
         said = ANSWER.findall(completion)
         return float(bool(said) and int(said[-1]) == int(row["answer"]))
