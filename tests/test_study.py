@@ -17,9 +17,9 @@ import pytest
 from cli import TIMING
 from conftest import FAST, make_cfg
 from rlkit.analysis import stats
-from rlkit.analysis.records import plan, read_records
+from rlkit.analysis.records import check_logged, plan, read_records
 from rlkit.analysis.runs import aggregate_name, reached
-from rlkit.analysis.study import StudyError, every_arm, load_spec
+from rlkit.analysis.study import Stopped, StudyError, every_arm, load_spec
 from rlkit.analysis.study_cli import main as study_main
 from rlkit.analysis.verdict import MARKER, analyse, report
 from rlkit.train import run
@@ -451,3 +451,14 @@ def test_the_readme_studies_table_is_the_one_its_script_prints():
     spec.loader.exec_module(studies)
     assert studies.readme_table() == studies.table()
     assert "| [rloo_vs_dr_grpo](experiments/rloo_vs_dr_grpo/README.md) |" in studies.table()
+
+
+def test_a_misspelled_premise_metric_stops_the_study_after_its_pilot(tmp_path):
+    """A premise names a metric its arm never logged: the study stops (exit 2) naming it, rather
+    than reporting a failed premise."""
+    spec = gated(tmp_path, premises=[{"metric": "eval/acuracy", "at_most": 0.35}])
+    recs = [*records([0.4] * 3, [0.5] * 3), *(rec("c", s, 0.5) for s in range(3))]
+    with pytest.raises(Stopped, match="no pilot run logged eval/acuracy") as stop:
+        check_logged(spec, recs)
+    assert stop.value.code == 2
+    check_logged(gated(tmp_path), recs)  # spelled right: nothing to say

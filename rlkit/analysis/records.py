@@ -117,7 +117,8 @@ def check_declaration(spec: StudySpec, name: str, results: Path, records: list) 
 
 def check_logged(spec: StudySpec, records: list) -> None:
     """Every declared metric was logged by the pilot's runs (the engagement metric by a treatment
-    arm's), so a misspelled name stops the study before it spends the rest of its seeds."""
+    arm's, a premise's by its arm's), so a misspelled name stops the study before it spends the
+    rest of its seeds."""
     logged: dict[str, set] = {}
     for head, rows in records:
         logged.setdefault(head["arm"], set()).update(k for row in rows for k in row)
@@ -132,6 +133,7 @@ def check_logged(spec: StudySpec, records: list) -> None:
         e.metric in logged.get(a, ()) for a in ([e.arm] if e.arm else spec.arms) if e.arm or a != spec.baseline
     ):
         missing.append(spec.engagement.metric)
+    missing += [p.metric for p in spec.premises if p.metric not in logged.get(p.arm or spec.baseline, ())]
     if missing:
         raise Stopped(
             EXIT_BAD_INPUT,
