@@ -18,7 +18,18 @@ from rlkit.analysis.verdict import analyse
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
 BEGIN, END = "<!-- studies table: python experiments/studies.py -->", "<!-- end of studies table -->"
-STUDIES = ["rloo_vs_dr_grpo", "dynamic_sampling", "difficulty_bias", "off_policy", "clip_higher", "length_bias"]
+STUDIES = [
+    "rloo_vs_dr_grpo",
+    "dynamic_sampling",
+    "dynamic_sampling_smollm2",
+    "difficulty_bias",
+    "difficulty_bias_smollm2",
+    "off_policy",
+    "clip_higher",
+    "clip_higher_smollm2",
+    "length_bias",
+    "length_bias_smollm2",
+]
 
 
 def verdicts(name: str) -> dict | None:

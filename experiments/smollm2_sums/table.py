@@ -1,4 +1,4 @@
-"""The table of experiments/smollm2_sums/README.md, from the kept metrics alone:
+"""The tables of experiments/smollm2_sums/README.md, from the kept metrics alone:
 
     python experiments/smollm2_sums/table.py
 
@@ -25,6 +25,24 @@ def accuracy(path: Path) -> tuple[float, float]:
     return evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
 
 
+def made_of() -> str:
+    """What the gain is made of, per run: the share of sampled completions that hit the 24-token
+    budget at the first and last step, and the held-out right answers' mean length before and after."""
+    lines = [
+        "| arm | seed | budget hit, step 1 | last step | right answers' tokens before | after |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in sorted(RUNS.glob("*.jsonl")):
+        arm, seed = path.stem.rsplit("_seed", 1)
+        train = [r for r in rows(path) if "train/truncated_frac" in r]
+        evals = [r for r in rows(path) if r.get("eval/len_correct") is not None]
+        hit = f"{train[0]['train/truncated_frac']:.2f} | {train[-1]['train/truncated_frac']:.2f}"
+        lines.append(
+            f"| {arm} | {seed} | {hit} | {evals[0]['eval/len_correct']:.1f} | {evals[-1]['eval/len_correct']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def table() -> str:
     lines = ["| arm | seed | held-out accuracy before | after | gain |", "|---|---|---|---|---|"]
     gains: dict[str, list[float]] = {}
@@ -45,3 +63,5 @@ if __name__ == "__main__":
         RUNS.mkdir(exist_ok=True)
         shutil.copy(Path(run_dir) / "metrics.jsonl", RUNS / f"{arm}_seed{seed}.jsonl")
     print(table())
+    print()
+    print(made_of())
