@@ -240,3 +240,18 @@ def test_the_math_task_scores_real_output_with_math_verify_and_the_format_reward
         assert s["reward"] == pytest.approx(expected), s
     row = metrics(tmp_path / "run")[-1]
     assert row["reward/format"] > 0 and row["reward/accuracy"] > 0, row
+
+
+def test_the_graded_testbed_calibrates_on_the_real_model(tmp_path):
+    """`rlkit-calibrate +experiment=graded` through the chat template: every level measured, each
+    pass@k and share a probability, ordered in k, and lengths within the budget."""
+    from rlkit.calibrate import main as calibrate
+
+    out = tmp_path / "calibration.json"
+    sizes = ["task.n_eval=1", "rollout.max_new_tokens=12", "threads=1"]
+    assert calibrate(["+experiment=graded", *sizes, "--samples", "2", "--out", str(out)]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert set(levels) == {"all", *(f"d{k}" for k in range(1, 7))} and levels["all"]["prompts"] == 6
+    for stats in levels.values():
+        assert 0 <= stats["pass@1"] <= stats["pass@2"] <= 1 and 0 <= stats["formatted"] <= 1
+        assert stats["len_incorrect"] is None or stats["len_incorrect"] <= 12
