@@ -13,15 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_module
 
 from cli import TIMING
 from conftest import FAST, make_cfg
 from rlkit.analysis import stats
 from rlkit.analysis.records import check_logged, plan, read_records
 from rlkit.analysis.runs import aggregate_name, reached
-from rlkit.analysis.study import Stopped, StudyError, every_arm, load_spec
+from rlkit.analysis.study import Stopped, StudyError, every_arm, load_spec, overrides
 from rlkit.analysis.study_cli import main as study_main
 from rlkit.analysis.verdict import MARKER, analyse, report
+from rlkit.setup import validate
 from rlkit.train import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,9 +273,13 @@ def test_the_plan_comes_from_the_pilot_spread_at_the_declared_effect(tmp_path):
 
 @pytest.mark.parametrize("study", sorted(p.parent.name for p in (REPO / "experiments").glob("*/study.yaml")))
 def test_every_declared_study_loads_and_its_arms_compose(study):
+    """Each arm composes as the study runs it (its config, the arm's overrides, seed and threads)
+    and passes the checks that need no model."""
     spec = load_spec(REPO / "experiments" / study / "study.yaml")
-    for overrides in every_arm(spec).values():
-        cfg = make_cfg([*spec.config, *overrides])
+    for arm in every_arm(spec):
+        with initialize_config_module(config_module="rlkit.conf", version_base=None):
+            cfg = compose("config", overrides=overrides(spec, arm))
+        validate(cfg)
         assert cfg.steps >= 1
 
 
