@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlkit import atomic
 from rlkit.components import Engine
 from rlkit.config import ConfigError, build, check_values
-from rlkit.evaluate import answers, pass_at_k, sampled_answers
+from rlkit.evaluate import answers, pass_at_k, presence, sampled_answers
 from rlkit.metrics import difficulties
 from rlkit.metrics import mean_or_none as mean
 from rlkit.setup import build_task_and_model, seed_everything
@@ -83,7 +83,7 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
         greedy = answers(engine.latest(), tokenizer, task, rows, cfg.eval.batch_size, budget)
         options = cfg.eval.batch_size, budget, R.temperature, R.top_p, cfg.eval.seed
         sampled = sampled_answers(engine.latest(), tokenizer, task, rows, n, *options)
-    present = torch.tensor([task.present(rows[i // n], t) for i, t in enumerate(sampled.texts)]).float()  # [E * n]
+    present = presence(task, [r for r in rows for _ in range(n)], sampled.texts)  # [E * n]
     d = difficulties(rows)
     levels = {"all": torch.ones(len(rows), dtype=torch.bool)}
     if d is not None:

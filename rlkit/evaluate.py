@@ -48,6 +48,11 @@ def answers(
     return Answers(torch.cat(correct), torch.cat(lengths), torch.cat(truncated), every)
 
 
+def presence(task, rows: list[dict], texts: list[str]) -> torch.Tensor:
+    """Whether each completion holds its row's answer anywhere (the task's lenient `present`).  -> [E]"""
+    return torch.tensor([task.present(r, t) for r, t in zip(rows, texts)]).float()
+
+
 @torch.no_grad()
 def probe_entropy(policy, tokenizer, task, batch_size: int) -> dict:
     """`eval/probe_entropy`: the policy's mean per-token entropy (nats, temperature 1) on a fixed
@@ -83,16 +88,16 @@ def evaluate(
     policy=None,
 ) -> dict:
     """Greedy accuracy, the share of answers that hold the right answer anywhere (`eval/present`,
-    the task's lenient score) and mean completion length (tokens) of correct and incorrect answers; with
-    `samples` = n > 0 also `eval/mean@n`, the accuracy of n completions per prompt sampled at the
-    rollout's temperature, and `eval/pass@k` for each k of `pass_k`. The sampling draws from its
+    the task's lenient score) and mean completion length (tokens) of correct and incorrect answers;
+    with `samples` = n > 0 also `eval/mean@n`, the accuracy of n completions per prompt sampled at
+    the rollout's temperature, and `eval/pass@k` for each k of `pass_k`. The sampling draws from its
     own generator state (`seed`, the same at every evaluation), so it neither moves training's
-    random stream nor differs between runs. Each
-    accuracy is also given per difficulty level (`_d<k>`) and over the hardest third of levels (`_hard`).
+    random stream nor differs between runs. Each accuracy is also given per difficulty level
+    (`_d<k>`) and over the hardest third of levels (`_hard`).
     With the `policy`, also its entropy on a fixed probe set (`probe_entropy`)."""
     rows_all = task.eval.to_list()
     ok, lens, _, texts = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E], [E], [E], E
-    present = torch.tensor([task.present(r, t) for r, t in zip(rows_all, texts)]).float()  # [E]
+    present = presence(task, rows_all, texts)  # [E]
     out = {
         "eval/accuracy": mean(ok.float()),
         "eval/present": mean(present),
