@@ -12,6 +12,7 @@ import torch
 
 from rlkit import parallel
 from rlkit.components import AdvantageEstimator
+from rlkit.refusals import require
 from rlkit.types import Rollout
 
 
@@ -25,8 +26,7 @@ def sequence_returns(r: Rollout) -> torch.Tensor:
 
 
 def grouped(r: Rollout) -> torch.Tensor:
-    if r.group_size < 2:
-        raise ValueError(f"group estimators need rollout.group_size >= 2, got {r.group_size}")
+    require(r.group_size >= 2, f"group estimators need rollout.group_size >= 2, got {r.group_size}")
     return sequence_returns(r).view(-1, r.group_size)  # [P, G]
 
 
@@ -49,10 +49,8 @@ class GRPO(AdvantageEstimator):
     up-weighted by their own small std."""
 
     def __init__(self, std: str = "sample", eps: float = 1e-6, std_scope: str = "group"):
-        if std not in ("sample", "population"):
-            raise ValueError(f"advantage.std must be 'sample' or 'population', got {std!r}")
-        if std_scope not in ("group", "batch"):
-            raise ValueError(f"advantage.std_scope must be 'group' or 'batch', got {std_scope!r}")
+        require(std in ("sample", "population"), f"advantage.std must be 'sample' or 'population', got {std!r}")
+        require(std_scope in ("group", "batch"), f"advantage.std_scope must be 'group' or 'batch', got {std_scope!r}")
         self.unbiased, self.eps, self.batch_std = std == "sample", eps, std_scope == "batch"
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,8 +104,7 @@ class GAE(AdvantageEstimator):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if values is None:
-            raise ValueError("advantage=gae needs critic values")
+        require(values is not None, "advantage=gae needs critic values")
         mask = r.completion_mask.float()  # [N, Tc]
         T = mask.shape[1]
         values = values * mask  # [N, Tc] V beyond the end is 0
@@ -138,8 +135,7 @@ class ProcessSupervision(AdvantageEstimator):
         self.eps = eps
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> torch.Tensor:
-        if r.step_rewards is None:
-            raise ValueError("advantage=process needs step rewards from the task")
+        require(r.step_rewards is not None, "advantage=process needs step rewards from the task")
         G, (N, T) = r.group_size, r.step_rewards.shape
         steps = r.step_mask.view(-1, G * T).float()  # [P, G*Tc] 1 where a step ends
         raw = r.step_rewards.view(-1, G * T)  # [P, G*Tc]

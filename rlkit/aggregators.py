@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlkit.components import Aggregator
+from rlkit.refusals import require
 
 
 class SeqMeanTokenMean(Aggregator):
@@ -45,8 +46,7 @@ class SeqMeanTokenSumNorm(Aggregator):
     by its length."""
 
     def __init__(self, constant: float):
-        if constant <= 0:
-            raise ValueError(f"aggregator.constant must be > 0, got {constant}")
+        require(constant > 0, f"aggregator.constant must be > 0, got {constant}")
         self.constant = constant
 
     def token_weights(self, mask: torch.Tensor) -> torch.Tensor:

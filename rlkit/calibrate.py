@@ -25,10 +25,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlkit import atomic
 from rlkit.components import Engine
-from rlkit.config import ConfigError, build, check_values
+from rlkit.config import build, check_values
 from rlkit.evaluate import answers, pass_at_k, presence, sampled_answers
 from rlkit.metrics import difficulties
 from rlkit.metrics import mean_or_none as mean
+from rlkit.refusals import ConfigError
 from rlkit.setup import build_task_and_model, seed_everything
 from rlkit.tasks.base import TaskError
 

@@ -23,9 +23,9 @@ import torch
 
 from rlkit import atomic, parallel
 from rlkit.atomic import sha256, staged
-from rlkit.components import ConfigError
 from rlkit.config import resolved
 from rlkit.guards import NonFiniteError, all_finite
+from rlkit.refusals import ConfigError
 from rlkit.rundir import HYDRA_FILES
 from rlkit.state import Progress, Run
 

@@ -15,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.components import ConfigError, check_class, require  # noqa: F401  (raised by the checks; imported from here by users)
+from rlkit.refusals import ConfigError, check_class, require
 from rlkit.tasks.base import TaskError
 
 

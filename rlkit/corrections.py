@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from rlkit.components import Correction, require
+from rlkit.components import Correction
 from rlkit.losses import seq_mean
+from rlkit.refusals import require
 
 
 def _bounds(c_min: float, c_max: float | None) -> None:

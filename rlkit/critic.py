@@ -10,6 +10,7 @@ from transformers import AutoModelForTokenClassification
 from rlkit import parallel
 from rlkit.components import Critic
 from rlkit.logprobs import trimmed_inputs
+from rlkit.refusals import require
 from rlkit.types import Rollout
 
 
@@ -50,8 +51,7 @@ class ValueModel(Critic):
     the clipped value loss on the same mini-batches as the policy."""
 
     def __init__(self, policy, max_grad_norm: float, lr: float = 1e-3, value_clip: float = 0.2):
-        if lr <= 0 or value_clip <= 0:
-            raise ValueError(f"critic.lr and critic.value_clip must be > 0, got {lr} and {value_clip}")
+        require(lr > 0 and value_clip > 0, f"critic.lr and critic.value_clip must be > 0, got {lr} and {value_clip}")
         self.model = build_critic(policy)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.value_clip, self.max_grad_norm = value_clip, max_grad_norm

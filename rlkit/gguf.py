@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rlkit.atomic import sha256, staged
-from rlkit.components import ConfigError
+from rlkit.refusals import ConfigError
 
 DONE = "rlkit_gguf.json"  # written last into a converted folder: its source file and checksum
 

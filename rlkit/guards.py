@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from rlkit import parallel
-from rlkit.config import ConfigError
+from rlkit.refusals import ConfigError
 
 
 class NonFiniteError(RuntimeError):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.config import ConfigError
+from rlkit.refusals import ConfigError
 
 # What `portable=true` pins before torch starts: ATen's vectorised kernels, MKL's BLAS (conditional
 # numerical reproducibility) and oneDNN all to AVX2, the widest that most x86 machines of the last

@@ -8,7 +8,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlkit.config import ConfigError
+from rlkit.refusals import ConfigError
 
 
 class RunDirInUse(ConfigError):

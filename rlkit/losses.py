@@ -15,20 +15,21 @@ import torch
 
 from rlkit import parallel
 from rlkit.components import PolicyLoss
+from rlkit.refusals import require
 from rlkit.types import LossInput, Rollout
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman 2020):
     k1 = log(pi/ref), k2 = 0.5*log(pi/ref)^2, k3 = ref/pi - log(ref/pi) - 1 (>= 0)."""
-    log_ratio = logp - ref_logp  # [N, Tc]
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    if kind == "k3":
-        return torch.expm1(-log_ratio) + log_ratio  # exp(-x) - 1 + x without the rounding that dips below 0
-    raise ValueError(f"loss.kl_estimator must be one of k1, k2, k3, got {kind!r}")
+    return KL_ESTIMATORS[kind](logp - ref_logp)  # [N, Tc]
+
+
+KL_ESTIMATORS = {  # of the log-ratio x = log(pi/ref) [N, Tc]; `loss.kl_estimator` names one (checked by the loss)
+    "k1": lambda x: x,
+    "k2": lambda x: 0.5 * x**2,
+    "k3": lambda x: torch.expm1(-x) + x,  # exp(-x) - 1 + x without the rounding that dips below 0
+}
 
 
 def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -60,10 +61,8 @@ def clipped_surrogate(
 
 
 def _check_eps(eps_low: float, eps_high: float, low_max: float = 1.0) -> None:
-    if not 0 <= eps_low < low_max:
-        raise ValueError(f"loss.eps_low must be in [0, {low_max:g}), got {eps_low}")
-    if eps_high < 0:
-        raise ValueError(f"loss.eps_high must be >= 0, got {eps_high}")
+    require(0 <= eps_low < low_max, f"loss.eps_low must be in [0, {low_max:g}), got {eps_low}")
+    require(eps_high >= 0, f"loss.eps_high must be >= 0, got {eps_high}")
 
 
 class EntropyCoefficient:
@@ -75,11 +74,11 @@ class EntropyCoefficient:
     def __init__(
         self, coef: float, target: float | None = None, delta: float = 0.005, lo: float = 0.0, hi: float = 1.0
     ):
-        if not 0 <= lo <= hi or delta < 0:
-            raise ValueError(
-                "loss.entropy_coef_min <= loss.entropy_coef_max and loss.entropy_coef_delta >= 0 "
-                f"needed, got {lo}, {hi}, {delta}"
-            )
+        require(
+            0 <= lo <= hi and delta >= 0,
+            "loss.entropy_coef_min <= loss.entropy_coef_max and loss.entropy_coef_delta >= 0 "
+            f"needed, got {lo}, {hi}, {delta}",
+        )
         self.coef, self.target, self.delta, self.range, self.last = coef, target, delta, (lo, hi), float("inf")
 
     @property
@@ -135,14 +134,14 @@ class Regularised(PolicyLoss):
         entropy_coef_min: float = 0.0,
         entropy_coef_max: float = 1.0,
     ):
-        if beta < 0:
-            raise ValueError(f"loss.beta must be >= 0, got {beta}")
-        if kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"loss.kl_estimator must be one of k1, k2, k3, got {kl_estimator!r}")
-        if kl_placement not in ("loss", "reward"):
-            raise ValueError(f"loss.kl_placement must be 'loss' or 'reward', got {kl_placement!r}")
-        if not 0 < top_entropy_quantile <= 1:
-            raise ValueError(f"loss.top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+        require(beta >= 0, f"loss.beta must be >= 0, got {beta}")
+        require(kl_estimator in KL_ESTIMATORS, f"loss.kl_estimator must be one of k1, k2, k3, got {kl_estimator!r}")
+        require(
+            kl_placement in ("loss", "reward"), f"loss.kl_placement must be 'loss' or 'reward', got {kl_placement!r}"
+        )
+        require(
+            0 < top_entropy_quantile <= 1, f"loss.top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}"
+        )
         self.beta, self.kl_estimator = beta, kl_estimator
         self.entropy_control = EntropyCoefficient(
             entropy_coef, entropy_target, entropy_coef_delta, entropy_coef_min, entropy_coef_max
@@ -222,8 +221,7 @@ class PPOClip(Regularised):
     def __init__(self, eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None, **regularise):
         super().__init__(**regularise)
         _check_eps(eps_low, eps_high)
-        if dual_clip is not None and dual_clip <= 1:
-            raise ValueError(f"loss.dual_clip must be > 1 or null, got {dual_clip}")
+        require(dual_clip is None or dual_clip > 1, f"loss.dual_clip must be > 1 or null, got {dual_clip}")
         self.eps_low, self.eps_high, self.dual_clip = eps_low, eps_high, dual_clip
 
     def surrogate(self, logp, old_logp, adv, mask):
@@ -277,8 +275,7 @@ class SAPO(Regularised):
 
     def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05, **regularise):
         super().__init__(**regularise)
-        if tau_pos <= 0 or tau_neg <= 0:
-            raise ValueError(f"loss.tau_pos and loss.tau_neg must be > 0, got {tau_pos} and {tau_neg}")
+        require(tau_pos > 0 and tau_neg > 0, f"loss.tau_pos and loss.tau_neg must be > 0, got {tau_pos} and {tau_neg}")
         self.tau_pos, self.tau_neg = tau_pos, tau_neg
 
     def surrogate(self, logp, old_logp, adv, mask):
@@ -366,11 +363,11 @@ class ClipCov(PPOClip):
 
     def __init__(self, clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, **ppo):
         super().__init__(**ppo)
-        if not 0 < clip_cov_ratio <= 1 or clip_cov_lb >= clip_cov_ub:
-            raise ValueError(
-                f"loss.clip_cov_ratio must be in (0, 1] and clip_cov_lb < clip_cov_ub, got "
-                f"{clip_cov_ratio}, {clip_cov_lb}, {clip_cov_ub}"
-            )
+        require(
+            0 < clip_cov_ratio <= 1 and clip_cov_lb < clip_cov_ub,
+            f"loss.clip_cov_ratio must be in (0, 1] and clip_cov_lb < clip_cov_ub, got "
+            f"{clip_cov_ratio}, {clip_cov_lb}, {clip_cov_ub}",
+        )
         self.ratio, self.lb, self.ub = clip_cov_ratio, clip_cov_lb, clip_cov_ub
 
     def surrogate(self, logp, old_logp, adv, mask):
@@ -393,10 +390,10 @@ class KLCov(Regularised):
 
     def __init__(self, kl_cov_ratio: float = 2e-4, kl_coef: float = 1.0, **regularise):
         super().__init__(**regularise)
-        if not 0 < kl_cov_ratio <= 1 or kl_coef < 0:
-            raise ValueError(
-                f"loss.kl_cov_ratio must be in (0, 1] and loss.kl_coef >= 0, got {kl_cov_ratio}, {kl_coef}"
-            )
+        require(
+            0 < kl_cov_ratio <= 1 and kl_coef >= 0,
+            f"loss.kl_cov_ratio must be in (0, 1] and loss.kl_coef >= 0, got {kl_cov_ratio}, {kl_coef}",
+        )
         self.ratio, self.kl_coef = kl_cov_ratio, kl_coef
 
     def surrogate(self, logp, old_logp, adv, mask):

@@ -20,7 +20,8 @@ from transformers import (
 )
 
 from rlkit import gguf
-from rlkit.components import ConfigError, Model
+from rlkit.components import Model
+from rlkit.refusals import ConfigError, require
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -68,13 +69,15 @@ class TinyQwen2(FullModel):
         intermediate_size: int = 384,
         max_position_embeddings: int = 128,
     ):
-        if min(hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings) < 1:
-            raise ValueError("model sizes must all be >= 1")
-        if hidden_size % num_heads or (hidden_size // num_heads) % 2 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"model.hidden_size={hidden_size} must split into model.num_heads={num_heads} heads of "
-                f"even size, and num_heads must be a multiple of model.num_kv_heads={num_kv_heads}"
-            )
+        require(
+            min(hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings) >= 1,
+            "model sizes must all be >= 1",
+        )
+        require(
+            hidden_size % num_heads == 0 and (hidden_size // num_heads) % 2 == 0 and num_heads % num_kv_heads == 0,
+            f"model.hidden_size={hidden_size} must split into model.num_heads={num_heads} heads of "
+            f"even size, and num_heads must be a multiple of model.num_kv_heads={num_kv_heads}",
+        )
         self.kwargs = dict(
             hidden_size=hidden_size,
             num_hidden_layers=num_layers,
@@ -119,10 +122,11 @@ class Pretrained(FullModel):
         gguf_file: str | None = None,
         cache_dir: str = "~/.cache/rlkit/models",
     ):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"model.dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}")
-        if lora_r < 0:
-            raise ValueError(f"model.lora_r must be >= 0, got {lora_r}")
+        require(
+            isinstance(getattr(torch, dtype, None), torch.dtype),
+            f"model.dtype must name a torch dtype (float32, bfloat16, float16), got {dtype!r}",
+        )
+        require(lora_r >= 0, f"model.lora_r must be >= 0, got {lora_r}")
         self.path, self.dtype, self.chat_template = path, dtype, chat_template
         targets = lora_targets if isinstance(lora_targets, str) else list(lora_targets)  # a name, or module names
         self.lora = dict(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets)

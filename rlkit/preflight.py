@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit.config import ConfigError
+from rlkit.refusals import ConfigError
 
 
 def check_encodable(tokenizer, splits: dict) -> None:

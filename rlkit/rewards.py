@@ -11,6 +11,7 @@ import torch
 
 from rlkit.advantages import centred
 from rlkit.components import RewardFunction
+from rlkit.refusals import require
 
 
 def overlong_penalty(lengths: torch.Tensor, budget: int, cache: int) -> torch.Tensor:
@@ -50,8 +51,10 @@ class Feature(RewardFunction):
         self.name, self.weight = name, weight
 
     def __call__(self, row: dict, completion: str, task) -> float:
-        if task.features is None or self.name not in task.features(completion):
-            raise ValueError(f"the task has no feature {self.name!r}")
+        require(
+            task.features is not None and self.name in task.features(completion),
+            f"the task has no feature {self.name!r}",
+        )
         return float(task.features(completion)[self.name])
 
 
@@ -59,8 +62,7 @@ class LengthPenalty(RewardFunction):
     """0 up to `max_chars` characters, then falling linearly to -1 at twice that."""
 
     def __init__(self, max_chars: int, weight: float = 1.0):
-        if max_chars < 1:
-            raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+        require(max_chars >= 1, f"max_chars must be >= 1, got {max_chars}")
         self.max_chars, self.weight = max_chars, weight
 
     def __call__(self, row: dict, completion: str, task) -> float:
@@ -79,11 +81,9 @@ def combine(parts: torch.Tensor, weights: list[float], group_size: int, mode: st
     estimator then normalises the sum); `normalise` z-scores each term within its group first, then
     adds them (GDPO, arXiv 2601.05242), so a term with a small spread is not drowned out.  -> [N]"""
     w = torch.tensor(weights, dtype=parts.dtype)  # [K]
-    if mode == "sum":
-        return parts @ w
-    if mode == "normalise":
+    if mode == "normalise":  # else "sum" (`reward.combine`, checked with the config)
         return torch.stack([group_zscore(parts[:, k], group_size) for k in range(parts.shape[1])], 1) @ w
-    raise ValueError(f"reward.combine must be 'sum' or 'normalise', got {mode!r}")
+    return parts @ w
 
 
 def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], group_size: int, timeout_s: float = 0):

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlkit import atomic, parallel
-from rlkit.config import ConfigError
 from rlkit.locks import RunDirLock
+from rlkit.refusals import ConfigError
 
 HYDRA_FILES = {".hydra", "train.log", ".rlkit.lock"}  # what Hydra and the lock write for every run
 

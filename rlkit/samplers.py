@@ -12,6 +12,7 @@ from datasets import Dataset
 
 from rlkit import parallel
 from rlkit.components import Sampler
+from rlkit.refusals import require
 from rlkit.types import Rollout
 
 
@@ -76,8 +77,9 @@ class DynamicSampling(Uniform):
         self, dataset: Dataset, batch_size: int, seed: int = 0, max_gen_batches: int = 3, oversample: float = 1.0
     ):
         super().__init__(dataset, batch_size, seed)
-        if max_gen_batches < 1 or oversample <= 0:
-            raise ValueError("sampler.max_gen_batches must be >= 1 and sampler.oversample > 0")
+        require(
+            max_gen_batches >= 1 and oversample > 0, "sampler.max_gen_batches must be >= 1 and sampler.oversample > 0"
+        )
         self.max_gen_batches, self.gen_size = max_gen_batches, max(1, math.ceil(batch_size * oversample))
 
     def sample(self, make_rollout: Callable[[list[dict]], Rollout]) -> tuple[Rollout, dict]:

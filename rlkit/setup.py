@@ -26,8 +26,6 @@ from rlkit.components import (
     PolicyLoss,
     RewardFunction,
     Sampler,
-    check,
-    require,
 )
 from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import evaluate
@@ -35,6 +33,7 @@ from rlkit.guards import NonFiniteGuard
 from rlkit.hardware import hardware
 from rlkit.locks import check_writable
 from rlkit.preflight import check_context, check_encodable, check_rollout_memory
+from rlkit.refusals import check, require
 from rlkit.sinks import NullLogger
 from rlkit.state import Parts, Progress, Run, Runtime
 from rlkit.warm_start import applies as warm_start_applies

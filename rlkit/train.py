@@ -19,12 +19,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rlkit import atomic, parallel, rundir, sweeps
-from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE
 from rlkit.guards import NonFiniteError
 from rlkit.hardware import PORTABLE_ENV
 from rlkit.locks import RunDirInUse
-from rlkit.session import run
+from rlkit.refusals import ConfigError
 from rlkit.signals import Preempted, StoppedAtOnce
 from rlkit.tasks.base import TaskError
 
@@ -113,6 +112,8 @@ def app(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     run_dir, claim = hc.runtime.output_dir, ComposeCheck.claim
     info = {**hydra_run_info(), "earlier_hydra": claim.earlier_hydra() if claim else {}}
+    from rlkit.session import run  # torch's models and kernels: after the config composed
+
     try:
         summary = run(cfg, run_dir, info, locked=claim is not None and claim.lock is not None)
     except Exception as e:

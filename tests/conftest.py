@@ -45,9 +45,13 @@ def make_cfg(overrides: list[str] = (), cache_dir: str | None = None):
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory) -> str:
-    """One warm-start cache for the tests that do not test the cache itself: each configuration's
-    warm start is trained once in the session, then loaded."""
-    return str(tmp_path_factory.mktemp("warm_start"))
+    """One warm-start cache for the tests that do not test the cache itself, shared by the test
+    processes of the session (pytest-xdist's workers share the parent of their temporary roots):
+    each configuration's warm start is trained once, under the cache's file lock, then loaded."""
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "warm_start"
+    shared.mkdir(exist_ok=True)
+    return str(shared)
 
 
 @pytest.fixture

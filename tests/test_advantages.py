@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from helpers import make_rollout as rollout
 from rlkit.advantages import GAE, GRPO, RLOO, DrGRPO, ProcessSupervision
 from rlkit.guards import checked_advantages
+from rlkit.refusals import ConfigError
 
 
 def seq(adv):  # first token's advantage of each row
@@ -49,12 +50,12 @@ def test_advantage_is_copied_to_completion_tokens_only():
 
 
 def test_group_of_one_is_an_error():
-    with pytest.raises(ValueError, match="group_size >= 2"):
+    with pytest.raises(ConfigError, match="group_size >= 2"):
         GRPO()(rollout([1.0, 0.0], 1))
 
 
 def test_unknown_std_is_an_error():
-    with pytest.raises(ValueError, match="'sample' or 'population'"):
+    with pytest.raises(ConfigError, match="'sample' or 'population'"):
         GRPO(std="median")
 
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlkit.aggregators import SeqMeanTokenMean, SeqMeanTokenSum, SeqMeanTokenSumNorm, TokenMean
+from rlkit.refusals import ConfigError
 
 L = torch.tensor([[1.0, 3.0, 9.0, 9.0], [2.0, 2.0, 2.0, 6.0]])
 MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
@@ -38,7 +39,7 @@ def test_length_bias_of_the_per_sequence_mean():
 
 
 def test_bad_constant_is_refused():
-    with pytest.raises(ValueError, match="aggregator.constant must be > 0"):
+    with pytest.raises(ConfigError, match="aggregator.constant must be > 0"):
         SeqMeanTokenSumNorm(constant=0)
 
 

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 from conftest import FAST, make_cfg
 from rlkit.calibrate import main as calibrate
-from rlkit.config import ConfigError, check_values
+from rlkit.config import check_values
 from rlkit.evaluate import pass_at_k
+from rlkit.refusals import ConfigError
 from rlkit.rewards import Feature
+from rlkit.session import run
 from rlkit.tasks.arithmetic import Arithmetic
 from rlkit.tasks.graded import LEVELS, Graded
-from rlkit.train import run
 
 
 @given(st.integers(1, 40).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n), st.lists(st.integers(0, n)))))
@@ -75,7 +76,7 @@ def test_graded_answers_by_hand():
     assert task.present(row, "27 + 58 = 85") and not task.present(row, "185 or 8.5")
     assert task.features("The answer is 80.") == {"formatted": 1.0} and task.features("80") == {"formatted": 0.0}
     assert Feature("formatted")(row, "The answer is 80.", task) == 1.0  # the format-only control pays for the form
-    with pytest.raises(ValueError, match="no feature 'worked'"):
+    with pytest.raises(ConfigError, match="no feature 'worked'"):
         Feature("worked")(row, "80", task)
 
 
@@ -89,7 +90,7 @@ def test_graded_answers_by_hand():
     ],
 )
 def test_graded_refuses_bad_arguments(args, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         Graded(**args)
 
 

@@ -10,8 +10,8 @@ from test_variants import cli
 import helpers
 from conftest import make_cfg
 from helpers import write_plugin
-from rlkit.config import ConfigError
 from rlkit.loop import collect, prepare_and_update
+from rlkit.refusals import ConfigError
 from rlkit.session import run
 from rlkit.setup import setup, validate
 

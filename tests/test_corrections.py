@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from rlkit.corrections import NoCorrection, OffPolicySequenceMask, SequenceIS, TokenMIS, TokenTIS
 from rlkit.losses import CISPO, GMPO, GSPO, SAPO, VESPO, KLCov, PPOClip
+from rlkit.refusals import ConfigError
 from rlkit.types import LossInput
 
 # pi_old / mu per token: row 0 = [3, 0.6, 1], row 1 = [0.2, 1.5, (padding)]
@@ -76,7 +77,7 @@ def test_the_off_policy_sequence_mask_drops_only_negative_far_sequences():
     ],
 )
 def test_impossible_bounds_are_refused(bad):
-    with pytest.raises(ValueError, match="correction\\."):
+    with pytest.raises(ConfigError, match="correction\\."):
         bad()
 
 

@@ -12,9 +12,9 @@ from conftest import make_cfg
 from helpers import GOOD, file_task, write_jsonl
 from rlkit.exits import EXIT_BAD_INPUT
 from rlkit.metrics import by_difficulty
+from rlkit.session import run
 from rlkit.tasks.base import TaskError
 from rlkit.tasks.files import FileTask
-from rlkit.train import run
 
 
 def write_csv(path: Path, text: str, bom: bool = False) -> str:

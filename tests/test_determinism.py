@@ -9,7 +9,7 @@ import pytest
 
 from cli import metrics, sweep, train
 from conftest import make_cfg
-from rlkit.train import run
+from rlkit.session import run
 
 
 def test_same_seed_same_config_same_metrics(tmp_path, warm_cache):

@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from conftest import FAST, make_cfg
 from ddp_worker import snapshot, update_on, update_on_shard
 from rlkit import parallel
-from rlkit.config import ConfigError
 from rlkit.loop import make_rollout
+from rlkit.refusals import ConfigError
 from rlkit.setup import setup, validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "plugins"))  # the example plugin

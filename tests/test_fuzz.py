@@ -11,9 +11,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from conftest import make_cfg
 from helpers import GOOD, file_task
-from rlkit.config import ConfigError
+from rlkit.refusals import ConfigError
+from rlkit.session import run
 from rlkit.tasks.base import TaskError
-from rlkit.train import run
 
 FUZZ = {
     "steps": [1, 2, 0, -1, "x"],

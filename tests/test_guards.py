@@ -16,8 +16,8 @@ from cli import TESTS, command, metrics, wait_for
 from conftest import make_cfg
 from rlkit.exits import EXIT_PREEMPTED
 from rlkit.guards import NonFiniteError
+from rlkit.session import run
 from rlkit.tasks.base import TaskError
-from rlkit.train import run
 
 
 def policy_weights(run_dir, step):

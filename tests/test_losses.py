@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from helpers import make_rollout
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.losses import CISPO, GSPO, SAPO, PPOClip, clipped_surrogate, kl_estimate
+from rlkit.refusals import ConfigError
 from rlkit.types import LossInput
 
 
@@ -187,5 +188,5 @@ def test_kl_in_the_reward_is_beta_times_the_estimate_and_stays_out_of_the_loss()
     ],
 )
 def test_bad_loss_options_are_named(make, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         make()

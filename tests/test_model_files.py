@@ -10,8 +10,8 @@ import pytest
 
 from cli import run_cli
 from rlkit import gguf
-from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT
+from rlkit.refusals import ConfigError
 
 MEMBER, CONTENT = "fake_model/model.gguf", b"GGUF" + b"\x00" * 60
 DIGEST = hashlib.sha256(CONTENT).hexdigest()

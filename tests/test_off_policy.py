@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import make_cfg
-from rlkit.config import ConfigError
 from rlkit.engines import OffPolicy
 from rlkit.models import TinyQwen2
-from rlkit.train import run
+from rlkit.refusals import ConfigError
+from rlkit.session import run
 
 TIMING = ("time/", "perf/")
 

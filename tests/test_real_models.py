@@ -9,12 +9,12 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from conftest import make_cfg, save_tiny_qwen2
-from rlkit.config import ConfigError
 from rlkit.models import AdaptersOff
+from rlkit.refusals import ConfigError
 from rlkit.rewards import combine, group_zscore
+from rlkit.session import run
 from rlkit.setup import setup
 from rlkit.tasks.math import Math, last_boxed, reference_answer
-from rlkit.train import run
 
 CHAT = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"

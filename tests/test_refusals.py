@@ -19,11 +19,12 @@ from omegaconf import OmegaConf
 from cli import TESTS, command, metrics, run_cli, train, wait_for
 from conftest import FAST, make_cfg
 from helpers import GOOD, file_task
-from rlkit.config import ConfigError, numbers
+from rlkit.config import numbers
 from rlkit.exits import EXIT_BAD_INPUT
+from rlkit.refusals import ConfigError
+from rlkit.session import run
 from rlkit.setup import validate
 from rlkit.tasks.base import TaskError
-from rlkit.train import run
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

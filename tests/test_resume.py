@@ -18,11 +18,11 @@ from cli import command, metrics, train, wait_for
 from conftest import make_cfg
 from rlkit import checkpoint
 from rlkit.checkpoint import check_resume
-from rlkit.config import ConfigError
 from rlkit.exits import EXIT_PREEMPTED
 from rlkit.locks import RunDirLock
+from rlkit.refusals import ConfigError
+from rlkit.session import run
 from rlkit.sinks import _truncate
-from rlkit.train import run
 
 
 def damage_state(ckpt):

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from conftest import make_cfg
 from helpers import GOOD, file_task, write_jsonl
 from rlkit.checkpoint import MAY_CHANGE, check_resume
-from rlkit.config import ConfigError, resolved
-from rlkit.train import run
+from rlkit.config import resolved
+from rlkit.refusals import ConfigError
+from rlkit.session import run
 
 CONF = Path(__file__).parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "experiment"))

@@ -17,7 +17,7 @@ from rlkit.config import build
 from rlkit.engines.kv_cache import generate
 from rlkit.logprobs import rollout_logprobs, token_logprobs
 from rlkit.preflight import check_encodable
-from rlkit.train import run
+from rlkit.session import run
 from rlkit.types import Rollout
 
 pytestmark = pytest.mark.slow  # real-model and multi-process runs: `pytest -m "not slow"` leaves them out
@@ -148,14 +148,12 @@ def test_lora_logprobs_with_non_zero_adapters_equal_a_plain_forward(smol, prompt
     assert (packed - base).abs().max() > 1e-3  # the adapters change the numbers
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lora):
-    cfg = small(*(LORA if lora else ["optim.lr=1e-5"]))
-    before = {k: v.clone() for k, v in build(cfg, "model").build("", 0)[0].state_dict().items()}
-    run(cfg, str(tmp_path / "run"))
-    ckpt = tmp_path / "run" / "checkpoints" / "step_000001" / "policy"
+def assert_the_first_step_moved_what_it_should(run_dir, before: dict, lora: bool) -> None:
+    """The step-1 checkpoint of `run_dir`: with LoRA only q/v adapters saved, some B non-zero;
+    otherwise every decoder weight moved and none added; the step logged its KL."""
     from safetensors.torch import load_file
 
+    ckpt = run_dir / "checkpoints" / "step_000001" / "policy"
     if lora:
         saved = load_file(ckpt / "adapter_model.safetensors")
         assert (
@@ -169,15 +167,19 @@ def test_one_grpo_step_changes_the_weights_it_should_and_only_those(tmp_path, lo
         moved = {k for k, v in after.items() if not torch.equal(v, before[k])}
         layers = {k for k in before if ".layers." in k}
         assert set(after) <= set(before) and moved & layers == layers  # every decoder weight moved, none added
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and "train/kl" in rows[-1]
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_a_run_stopped_after_a_step_resumes_to_the_uninterrupted_metrics(tmp_path, lora):
+def test_one_grpo_step_moves_the_weights_it_should_and_a_stopped_run_resumes_to_the_uninterrupted_metrics(
+    tmp_path, lora
+):
     options = LORA if lora else ["optim.lr=1e-5"]
+    before = {k: v.clone() for k, v in build(small(*options), "model").build("", 0)[0].state_dict().items()}
     run(small(*options, "steps=2"), str(tmp_path / "straight"))
     run(small(*options, "steps=1"), str(tmp_path / "resumed"))
+    assert_the_first_step_moved_what_it_should(tmp_path / "resumed", before, lora)
     run(small(*options, "steps=2"), str(tmp_path / "resumed"))  # resumes from the step-1 checkpoint
 
     def without_step1_eval(rows):  # the 1-step session evaluated after its last step; the straight run did not
@@ -227,6 +229,7 @@ def test_the_math_task_scores_real_output_with_math_verify_and_the_format_reward
         "rollout.max_new_tokens=24",
         "samples_every=1",
         "checkpoint.every=0",
+        "eval.max_new_tokens=1",  # the held-out evaluation is not what this test reads
         task=("task=math", f"task.train={data}", f"task.eval={data}"),
     )
     cfg.task.prompt_template = "Compute {question}. End your reply with the answer in LaTeX as $\\boxed{{...}}$."

@@ -7,9 +7,9 @@ import pytest
 
 from cli import run_cli, train
 from conftest import make_cfg
-from rlkit.config import ConfigError
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_STORAGE
-from rlkit.train import run
+from rlkit.refusals import ConfigError
+from rlkit.session import run
 
 
 @pytest.mark.slow

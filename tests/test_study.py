@@ -23,8 +23,8 @@ from rlkit.analysis.runs import aggregate_name, reached
 from rlkit.analysis.study import Stopped, StudyError, every_arm, load_spec, overrides
 from rlkit.analysis.study_cli import main as study_main
 from rlkit.analysis.verdict import MARKER, analyse, report
+from rlkit.session import run
 from rlkit.setup import validate
-from rlkit.train import run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from rlkit import sweeps
 from rlkit.analysis.compare import main as compare_main
 from rlkit.analysis.stats import mean_ci
 from rlkit.exits import EXIT_BAD_INPUT
-from rlkit.train import run
+from rlkit.session import run
 from wandb_files import read_records
 
 

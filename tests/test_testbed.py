@@ -7,6 +7,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from rlkit.models import TinyQwen2, char_tokenizer
+from rlkit.refusals import ConfigError
 from rlkit.tasks.arithmetic import ALPHABET, Arithmetic, Questions
 from rlkit.tasks.base import TaskError
 
@@ -34,7 +35,7 @@ def test_questions_ask_the_testbeds_sums_and_score_the_last_integer():
     assert q.reward(row, "7 + 7 = 12, which is the sum of 7 itself.") == 0.0  # the last integer counts
     assert q.reward(row, "fourteen") == 0.0 and q.reward({"answer": "1400"}, "It is 1,400.") == 1.0
     assert q.demonstration is None  # no warm start for a pretrained model
-    with pytest.raises(ValueError, match="must contain"):
+    with pytest.raises(ConfigError, match="must contain"):
         Questions(question="What is it?")
 
 

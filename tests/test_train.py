@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli import metrics
 from conftest import make_cfg
-from rlkit.config import ConfigError, resolved
+from rlkit.config import resolved
+from rlkit.refusals import ConfigError
 from rlkit.rewards import shuffled
-from rlkit.train import run
+from rlkit.session import run
 from rlkit.warm_start import warm_start
 
 

@@ -8,7 +8,7 @@ import pytest
 from cli import run_cli
 from conftest import make_cfg
 from helpers import SIGN_ONLY, write_plugin
-from rlkit.train import run
+from rlkit.session import run
 
 CONF = Path(__file__).parents[1] / "conf"
 PLUGINS = Path(__file__).parents[1] / "experiments" / "plugins"
@@ -116,7 +116,7 @@ def test_ppo_logs_critic_metrics(cache, tmp_path):
 
 
 def test_dynamic_sampling_with_groups_of_one_is_refused_early(tmp_path):
-    from rlkit.config import ConfigError
+    from rlkit.refusals import ConfigError
 
     with pytest.raises(ConfigError, match="sampler=rlkit.samplers.DynamicSampling needs rollout.group_size >= 2"):
         run(make_cfg(["algo=ppo", "sampler=dapo", "rollout.group_size=1"]), str(tmp_path))

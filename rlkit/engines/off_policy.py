@@ -10,8 +10,8 @@ from collections import deque
 import torch
 
 from rlkit import parallel
-from rlkit.components import require
 from rlkit.engines.kv_cache import KVCache, generate
+from rlkit.refusals import require
 from rlkit.types import Generation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,23 +8,19 @@ Checkpoints hold full (unsharded) state dicts, written by rank 0 and loaded by e
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# torch.distributed's FSDP, DTensor and state-dict modules take seconds to import, so only a
+# sharded run (`shard`) loads them; until it has, no model or tensor can be sharded.
+FSDP, TENSOR = "torch.distributed.fsdp", "torch.distributed.tensor"
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for m in model.modules():
         if type(m).__name__ in layers:
@@ -34,7 +30,7 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_sharded(model) -> bool:
-    return isinstance(model, FSDPModule)
+    return FSDP in sys.modules and isinstance(model, sys.modules[FSDP].FSDPModule)
 
 
 @contextmanager
@@ -42,7 +38,7 @@ def full_weights(model: torch.nn.Module):
     """Every shard of `model` gathered for the block (one all-gather per group), released after;
     nothing for a model that is not sharded. Forwards inside the block run no collective, so
     processes may run different numbers of them (rows finish at different steps)."""
-    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [m for m in model.modules() if is_sharded(m)]
     for m in groups:
         m.unshard()
         m.set_reshard_after_forward(False, recurse=False)  # a forward inside the block gathers nothing again
@@ -55,7 +51,7 @@ def full_weights(model: torch.nn.Module):
 
 
 def is_shard(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor)
+    return TENSOR in sys.modules and isinstance(t, sys.modules[TENSOR].DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -65,16 +61,24 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def model_state(model: torch.nn.Module) -> dict:
     """The full state dict, on CPU (every process must call it)."""
-    return get_model_state_dict(model, options=FULL)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_model_state(model: torch.nn.Module, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def optimizer_state(model: torch.nn.Module, optimizer) -> dict:
-    return get_optimizer_state_dict(model, optimizer, options=FULL)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

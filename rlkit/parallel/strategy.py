@@ -10,10 +10,9 @@ import math
 
 import torch
 from omegaconf import DictConfig
-from transformers import AutoModelForCausalLM
 
-from rlkit.components import require
 from rlkit.parallel import collectives, sharding
+from rlkit.refusals import require
 
 MODES = ("replicate", "shard")
 
@@ -90,6 +89,8 @@ class Sharded(Replicated):
         return sharding.model_state(policy), sharding.optimizer_state(policy, optimizer)
 
     def load_policy(self, model, policy: torch.nn.Module, optimizer, path, optimizer_state: dict) -> None:
+        from transformers import AutoModelForCausalLM
+
         sharding.load_model_state(policy, AutoModelForCausalLM.from_pretrained(path).state_dict())
         sharding.load_optimizer_state(policy, optimizer, optimizer_state)
 

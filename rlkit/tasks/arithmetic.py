@@ -12,9 +12,11 @@ import re
 
 from datasets import Dataset
 
+from rlkit.refusals import require
 from rlkit.tasks.base import Task
 
 _STEP = re.compile(r"^(\d+)\+(\d+)=(\d+)$")
+
 ALPHABET = "0123456789+=;"
 
 
@@ -31,8 +33,7 @@ def draw_sums(rng, n_train: int, n_eval: int, min_terms: int, max_terms: int, ma
         return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)), "difficulty": len(terms)}
 
     space = sum((max_operand + 1) ** k for k in range(min_terms, max_terms + 1))
-    if n_eval >= space:
-        raise ValueError(f"task.n_eval={n_eval} leaves no training prompts: only {space} distinct prompts exist")
+    require(n_eval < space, f"task.n_eval={n_eval} leaves no training prompts: only {space} distinct prompts exist")
     eval_rows = {}
     while len(eval_rows) < n_eval:  # distinct held-out prompts
         row = draw()
@@ -65,12 +66,12 @@ class Arithmetic(Task):
         worked_fraction: float = 0.5,
         demo_max_terms: int = 0,
     ):
-        if n_train < 1 or n_eval < 1:
-            raise ValueError("task.n_train and task.n_eval must be >= 1")
-        if not 2 <= min_terms <= max_terms:
-            raise ValueError("task.min_terms and task.max_terms need 2 <= min_terms <= max_terms")
-        if demo_max_terms and not min_terms <= demo_max_terms <= max_terms:
-            raise ValueError("task.demo_max_terms must be 0 (every prompt) or in [task.min_terms, task.max_terms]")
+        require(n_train >= 1 and n_eval >= 1, "task.n_train and task.n_eval must be >= 1")
+        require(2 <= min_terms <= max_terms, "task.min_terms and task.max_terms need 2 <= min_terms <= max_terms")
+        require(
+            not (demo_max_terms and not min_terms <= demo_max_terms <= max_terms),
+            "task.demo_max_terms must be 0 (every prompt) or in [task.min_terms, task.max_terms]",
+        )
         self.worked_fraction = worked_fraction
         train_rows, eval_rows = draw_sums(random.Random(seed), n_train, n_eval, min_terms, max_terms, max_operand)
         self.train = Dataset.from_list(train_rows)
@@ -128,8 +129,7 @@ class Questions(Task):
     `Arithmetic`'s (same arguments); there are no demonstrations, so no warm start."""
 
     def __init__(self, question: str = "What is {expr}?", **sums):
-        if "{expr}" not in question:
-            raise ValueError(f"task.question must contain {{expr}}, got {question!r}")
+        require("{expr}" in question, f"task.question must contain {{expr}}, got {question!r}")
         base = Arithmetic(**sums)
 
         def ask(row: dict) -> dict:

@@ -18,6 +18,7 @@ import re
 
 from datasets import Dataset
 
+from rlkit.refusals import require
 from rlkit.tasks.base import Task
 
 ANSWER = re.compile(r"answer is\s*:?\s*\**\s*(-?\d+)\s*\**\s*(?:[.!](?!\d)|\n)", re.IGNORECASE)
@@ -32,6 +33,7 @@ def _carry(a: int, b: int) -> bool:
 
 
 # name -> (operator, every operand tuple of the level)
+
 LEVELS = {
     "plus_one": ("+", [(a, 1) for a in range(10, 100)]),  # two digits, so that no question is also sum_1d's
     "sum_1d": ("+", _pairs(0, 9)),
@@ -57,10 +59,10 @@ def draw_levels(levels: list[str], n_train: int, n_eval: int, seed: int) -> tupl
         for t in tuples:
             twins.setdefault(tuple(sorted(t)), []).append(t)
         keys = list(twins)
-        if len(keys) <= n_eval:
-            raise ValueError(
-                f"task level {name!r} has {len(keys)} distinct questions; task.n_eval={n_eval} leaves none"
-            )
+        require(
+            len(keys) > n_eval,
+            f"task level {name!r} has {len(keys)} distinct questions; task.n_eval={n_eval} leaves none",
+        )
         held += [_row(twins[k][0], op, place, name) for k in keys[:n_eval]]
         pool = [_row(t, op, place, name) for k in keys[n_eval:] for t in twins[k]]
         train += list(itertools.islice(itertools.cycle(pool), n_train))
@@ -87,14 +89,10 @@ class Graded(Task):
         seed: int = 1234,
     ):
         unknown = [name for name in levels if name not in LEVELS]
-        if unknown or not levels:
-            raise ValueError(f"task.levels must name levels of {sorted(LEVELS)}, got {list(levels)}")
-        if len(set(levels)) != len(levels):
-            raise ValueError(f"task.levels names a level twice: {list(levels)}")
-        if "{expr}" not in question:
-            raise ValueError(f"task.question must contain {{expr}}, got {question!r}")
-        if n_train < 1 or n_eval < 1:
-            raise ValueError("task.n_train and task.n_eval must be >= 1")
+        require(not unknown and levels, f"task.levels must name levels of {sorted(LEVELS)}, got {list(levels)}")
+        require(len(set(levels)) == len(levels), f"task.levels names a level twice: {list(levels)}")
+        require("{expr}" in question, f"task.question must contain {{expr}}, got {question!r}")
+        require(n_train >= 1 and n_eval >= 1, "task.n_train and task.n_eval must be >= 1")
         train, held = draw_levels(list(levels), n_train, n_eval, seed)
         self.train, self.eval = (
             Dataset.from_list([{**r, "prompt": question.format(expr=r["expr"])} for r in split])

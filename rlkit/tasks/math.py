@@ -8,6 +8,7 @@ import sys
 
 from datasets import Dataset
 
+from rlkit.refusals import require
 from rlkit.tasks.base import Task, TaskError, load_table
 
 
@@ -56,8 +57,10 @@ class Math(Task):
         prompt_template: str = "{question}\nPut the final answer in \\boxed{{}}.",
         timeout_s: int = 5,
     ):
-        if answer_style not in self.STYLES:
-            raise ValueError(f"task.answer_style must be one of {', '.join(self.STYLES)}, got {answer_style!r}")
+        require(
+            answer_style in self.STYLES,
+            f"task.answer_style must be one of {', '.join(self.STYLES)}, got {answer_style!r}",
+        )
         self.timeout_s, self.timeouts = timeout_s, 0
         for name, source, split in (("train", train, train_split), ("eval", eval, eval_split)):
             data = load_table(name, source, format, (question_key, answer_key), split, config)
