@@ -20,10 +20,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlkit.engines.kv_cache import encode_prompts, generate
-from rlkit.llama import positions
 from rlkit.logprobs import token_logprobs
 from rlkit.models import TinyQwen2
 from rlkit.tasks.arithmetic import Arithmetic
+from rlkit.tensors import positions
 
 
 def best_of(fn, repeats: int) -> float:

@@ -13,6 +13,7 @@ import torch
 from rlkit import parallel
 from rlkit.components import AdvantageEstimator
 from rlkit.refusals import require
+from rlkit.tensors import centred
 from rlkit.types import Rollout
 
 
@@ -28,13 +29,6 @@ def sequence_returns(r: Rollout) -> torch.Tensor:
 def grouped(r: Rollout) -> torch.Tensor:
     require(r.group_size >= 2, f"group estimators need rollout.group_size >= 2, got {r.group_size}")
     return sequence_returns(r).view(-1, r.group_size)  # [P, G]
-
-
-def centred(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """r - mean_g(r), exactly 0 in groups whose rewards are all equal.  [P, G] -> [P, G], [P, 1]"""
-    flat = (rewards == rewards[:, :1]).all(1, keepdim=True)  # [P, 1]
-    diff = rewards - rewards.mean(1, keepdim=True)  # [P, G]
-    return torch.where(flat, torch.zeros_like(diff), diff), flat
 
 
 def per_token(adv: torch.Tensor, r: Rollout) -> torch.Tensor:

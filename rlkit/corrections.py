@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from rlkit.components import Correction
-from rlkit.losses import seq_mean
 from rlkit.refusals import require
+from rlkit.tensors import seq_mean
 
 
 def _bounds(c_min: float, c_max: float | None) -> None:

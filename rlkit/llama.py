@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from rlkit.models import AdaptersOff
 from rlkit.parallel import is_sharded
+from rlkit.tensors import completion_width, positions
 
 
 def rotary(attn):
@@ -24,16 +25,6 @@ def rotary(attn):
 
 
 LEAN_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)  # [N, S]
-
-
-def completion_width(completion_mask: torch.Tensor) -> int:
-    """Columns up to the last completion token any row has (at least 1).  [n, Tc] -> int"""
-    used = completion_mask.any(0).nonzero()  # [k, 1]
-    return int(used.max()) + 1 if len(used) else 1
 
 
 def base_model(model):

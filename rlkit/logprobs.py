@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from rlkit.llama import base_model, causal_parts, completion_width, positions, shared_hidden
+from rlkit.llama import base_model, causal_parts, shared_hidden
+from rlkit.tensors import completion_width, positions
 from rlkit.types import Rollout
 
 

@@ -16,6 +16,7 @@ import torch
 from rlkit import parallel
 from rlkit.components import PolicyLoss
 from rlkit.refusals import require
+from rlkit.tensors import seq_mean
 from rlkit.types import LossInput, Rollout
 
 
@@ -30,11 +31,6 @@ KL_ESTIMATORS = {  # of the log-ratio x = log(pi/ref) [N, Tc]; `loss.kl_estimato
     "k2": lambda x: 0.5 * x**2,
     "k3": lambda x: torch.expm1(-x) + x,  # exp(-x) - 1 + x without the rounding that dips below 0
 }
-
-
-def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each row's mean over its masked tokens.  [n, Tc] -> [n, 1]"""
-    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
 def clipped_surrogate(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkit.tensors import flat, seq_mean
 from rlkit.types import Rollout, UpdateStats
 
 
@@ -26,11 +27,11 @@ def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
     lengths = r.lengths.float()  # [N]
     correct = rewards > 0  # [N]
     mask = r.completion_mask.bool()  # [N, Tc]
-    seq_adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
+    seq_adv = seq_mean(adv, mask)[:, 0]  # [N]
     return {
         "train/reward": mean_or_none(rewards),
         "train/reward_std": std_or_none(rewards),
-        "train/frac_zero_std_groups": mean_or_none((groups == groups[:, :1]).all(1)),
+        "train/frac_zero_std_groups": mean_or_none(flat(groups)),
         "train/frac_all_correct_groups": mean_or_none((groups > 0).all(1)),
         "train/frac_all_wrong_groups": mean_or_none((groups <= 0).all(1)),
         "train/completion_len": mean_or_none(lengths),
@@ -137,7 +138,7 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
 def samples(r: Rollout, adv: torch.Tensor, per_group: int = 2, groups: int = 8) -> list[dict]:
     """A few completions with their rewards and mean advantages, for a table of samples."""
     mask = r.completion_mask.bool()  # [N, Tc]
-    seq_adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
+    seq_adv = seq_mean(adv, mask)[:, 0]  # [N]
     rows = [g * r.group_size + i for g in range(min(groups, r.num_groups)) for i in range(min(per_group, r.group_size))]
     return [
         {

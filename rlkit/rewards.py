@@ -9,9 +9,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from rlkit.advantages import centred
 from rlkit.components import RewardFunction
 from rlkit.refusals import require
+from rlkit.tensors import centred
 
 
 def overlong_penalty(lengths: torch.Tensor, budget: int, cache: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from datasets import Dataset
 from rlkit import parallel
 from rlkit.components import Sampler
 from rlkit.refusals import require
+from rlkit.tensors import flat
 from rlkit.types import Rollout
 
 
@@ -47,8 +48,7 @@ class Uniform(Sampler):
 
 def informative_groups(r: Rollout) -> torch.Tensor:
     """Indices of groups whose task rewards are not all equal.  -> [k]"""
-    g = r.rewards.view(-1, r.group_size)  # [P, G]
-    return (~(g == g[:, :1]).all(1)).nonzero().squeeze(-1)
+    return (~flat(r.rewards.view(-1, r.group_size))[:, 0]).nonzero().squeeze(-1)  # [k]
 
 
 def first_informative(r: Rollout, k: int) -> tuple[torch.Tensor, int]:

@@ -139,8 +139,9 @@ def write_plugin(root, module: str, source: str, group: str, option: str, yaml: 
 
 
 SIGN_ONLY = (
-    "from rlkit.advantages import centred, grouped, per_token\n"
-    "from rlkit.components import AdvantageEstimator\n\n"
+    "from rlkit.advantages import grouped, per_token\n"
+    "from rlkit.components import AdvantageEstimator\n"
+    "from rlkit.tensors import centred\n\n"
     "class SignOnly(AdvantageEstimator):\n"
     "    def __call__(self, rollout, values=None):\n"
     "        diff, _ = centred(grouped(rollout))\n"

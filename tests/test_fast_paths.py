@@ -11,10 +11,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from rlkit.batching import micro_batches
 from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import _sample, encode_prompts, generate
-from rlkit.llama import LlamaDecoder, causal_parts, positions
+from rlkit.llama import LlamaDecoder, causal_parts
 from rlkit.logprobs import pack, token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
 from rlkit.tasks.arithmetic import ALPHABET
+from rlkit.tensors import positions
 from rlkit.types import Rollout
 
 PROMPTS = ["1+2=", "13+4+5=", "7+7=", "9+1+0+3=", "5=", "2+2+2+2+2="] * 4  # left padding of several widths

@@ -16,7 +16,8 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from rlkit.llama import LlamaDecoder, llama_family, positions
+from rlkit.llama import LlamaDecoder, llama_family
+from rlkit.tensors import positions
 
 
 def decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):

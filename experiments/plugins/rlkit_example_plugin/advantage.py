@@ -3,8 +3,9 @@
 import torch
 
 from rlkit import parallel
-from rlkit.advantages import centred, grouped, per_token
+from rlkit.advantages import grouped, per_token
 from rlkit.components import AdvantageEstimator
+from rlkit.tensors import centred
 
 
 class ReinforcePPBaseline(AdvantageEstimator):

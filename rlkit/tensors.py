@@ -1,0 +1,35 @@
+"""The floor of tensor helpers that components and the model paths share: groups, centring,
+sequence means, positions and widths. Imports nothing but torch; every other module may import it,
+so no component imports another component for a helper."""
+
+from __future__ import annotations
+
+import torch
+
+
+def flat(groups: torch.Tensor) -> torch.Tensor:
+    """Whether each group's values are all equal (no signal to learn from).  [P, G] -> [P, 1]"""
+    return (groups == groups[:, :1]).all(1, keepdim=True)
+
+
+def centred(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """r - mean_g(r), exactly 0 in groups whose values are all equal.  [P, G] -> [P, G], [P, 1]"""
+    same = flat(groups)  # [P, 1]
+    diff = groups - groups.mean(1, keepdim=True)  # [P, G]
+    return torch.where(same, torch.zeros_like(diff), diff), same
+
+
+def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's mean over its masked tokens (0 for a row with none).  [n, Tc] -> [n, 1]"""
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding.  [N, S] -> [N, S]"""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_width(completion_mask: torch.Tensor) -> int:
+    """Columns up to the last completion token any row has (at least 1).  [n, Tc] -> int"""
+    used = completion_mask.any(0).nonzero()  # [k, 1]
+    return int(used.max()) + 1 if len(used) else 1
