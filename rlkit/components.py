@@ -160,3 +160,36 @@ class RewardFunction(Protocol):
     weight: float = 1.0
 
     def __call__(self, row: dict, completion: str, task) -> float: ...
+
+
+class Task(Protocol):
+    """Group `task`: the data and how a completion scores. `train` and `eval` are `datasets.Dataset`s
+    with `prompt` and `answer` columns (a `difficulty` column gives per-level metrics). Subclass
+    `rlkit.tasks.base.Task` for every method but `reward` (a lenient `present`, one outcome step,
+    the character alphabet, the rows' digest, the split checks)."""
+
+    train: object  # datasets.Dataset
+    eval: object
+    demonstrations: object | None = None  # the prompts the warm start demonstrates; None: every training prompt
+    demonstration = None  # method (row, rng) -> a worked answer to train on; None: no warm start, no probe set
+    features = None  # method completion -> {name: number}, logged per step; None: no feature metrics
+    alphabet: str  # the characters of both splits (for a character tokenizer)
+    digest: dict  # split -> SHA-256 of its rows, which a checkpoint records
+
+    def reward(self, row: dict, completion: str) -> float: ...
+    def present(self, row: dict, completion: str) -> bool: ...  # the answer anywhere (`eval/present`)
+    def step_rewards(self, row: dict, completion: str) -> list[tuple[int, float]]: ...  # (end char, reward) per step
+    def step_metrics(self) -> dict: ...  # what scoring this step gathered, read once per step
+    def check_splits(self) -> None: ...  # raises TaskError naming an empty split or a missing column
+
+
+class MetricSink(Protocol):
+    """Group `logger` (`_partial_: true`; `run_dir`, `run_config`, `resume_step`, `run_id` and
+    `run_info` arrive at run time): where each step's metrics and sample completions go. `run_id`
+    names the sink's own run (a wandb run, continued on resume; None where there is none)."""
+
+    run_id: str | None = None
+
+    def log(self, step: int, metrics: dict) -> None: ...
+    def log_samples(self, step: int, samples: list[dict]) -> None: ...
+    def finish(self) -> None: ...

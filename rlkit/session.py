@@ -42,14 +42,14 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None, locked: boo
 
 
 def run_steps(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, t0: float, locked: bool) -> dict:
-    components = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
+    validated = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
     check_portable(cfg.portable)
     check_writable(run_dir, "hydra.run.dir")
     with (
         RunDirLock(run_dir) if rank == 0 and not locked else nullcontext(),
         StopSignals() as stop,
     ):  # SIGTERM/SIGINT/SIGHUP: finish the step
-        run = setup(cfg, run_dir, run_info, components, stop)
+        run = setup(cfg, run_dir, run_info, validated, stop)
         run.runtime.t0 = t0
         if stop.received:
             raise Preempted(f"stopped by {stop.received} before the first step; rerun the same command to start")

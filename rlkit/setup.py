@@ -22,10 +22,12 @@ from rlkit.components import (
     Correction,
     Critic,
     Engine,
+    MetricSink,
     Model,
     PolicyLoss,
     RewardFunction,
     Sampler,
+    Task,
 )
 from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import evaluate
@@ -41,8 +43,9 @@ from rlkit.warm_start import warm_start
 
 
 @dataclass(frozen=True)
-class Components:
-    """What the config alone builds, once, before any model: checked, then handed to `setup`."""
+class Validated:
+    """What `validate` builds from the config alone, once, before any model: checked, then handed to
+    `setup`, which puts them into the run's `Parts`."""
 
     advantage: AdvantageEstimator
     aggregator: Aggregator
@@ -52,7 +55,7 @@ class Components:
     parallel: parallel.OneProcess  # how the processes share the model
 
 
-def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Components:
+def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Validated:
     """Every check that needs no model, before anything expensive is built or written: the config's
     values, the component classes, one build of the components that need no model, then what the
     built ones can do (with `world` processes)."""
@@ -65,19 +68,19 @@ def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Components:
             f"{g}={cfg[g]._target_} needs rollout.group_size >= {cls.min_group_size}, got {cfg.rollout.group_size}",
         )
     check(target_class(cfg, "engine"), Engine, "engine")
-    out = Components(
-        build(cfg, "advantage", AdvantageEstimator),
-        build(cfg, "aggregator", Aggregator),
-        build(cfg, "loss", PolicyLoss),
-        build(cfg, "correction", Correction),
-        {name: build(cfg, f"reward.functions.{name}", RewardFunction) for name in cfg.reward.functions},
-        parallel.choose(cfg.parallel, rank, world),
+    out = Validated(
+        advantage=build(cfg, "advantage", AdvantageEstimator),
+        aggregator=build(cfg, "aggregator", Aggregator),
+        loss=build(cfg, "loss", PolicyLoss),
+        correction=build(cfg, "correction", Correction),
+        reward_fns={name: build(cfg, f"reward.functions.{name}", RewardFunction) for name in cfg.reward.functions},
+        parallel=parallel.choose(cfg.parallel, rank, world),
     )
     check_built(cfg, out)
     return out
 
 
-def check_built(cfg: DictConfig, c: Components) -> None:
+def check_built(cfg: DictConfig, c: Validated) -> None:
     """What the built components declare: a critic when the estimator needs one, the Protocols, finite
     reward weights, and what the parallel strategy can run."""
     if c.advantage.needs_critic:
@@ -107,7 +110,7 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     prompt checked against the tokenizer and the context, and the rollout's size against the memory
     of `device` (each of `world` processes holding its share). Returns (task, model, policy,
     tokenizer, warm-start info)."""
-    task = build(cfg, "task")
+    task = build(cfg, "task", Task)
     task.check_splits()
     # a warm-started policy starts from warm_start.seed, so every RL seed shares it
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
@@ -140,7 +143,7 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     return task, model, policy, tokenizer, warm
 
 
-def build_parts(cfg: DictConfig, c: Components, device: torch.device, stop) -> tuple[Parts, dict]:
+def build_parts(cfg: DictConfig, c: Validated, device: torch.device, stop) -> tuple[Parts, dict]:
     """Everything the loop uses, built once; returns the parts and the warm start's info."""
     task, model, policy, tokenizer, warm = build_task_and_model(cfg, stop, device, c.parallel.world)
     policy.to(device)
@@ -156,23 +159,24 @@ def build_parts(cfg: DictConfig, c: Components, device: torch.device, stop) -> t
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
     sampler = build(cfg, "sampler", Sampler, dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
     engine = build(cfg, "engine", Engine, policy=policy, tokenizer=tokenizer)
-    return Parts(
-        task,
-        model,
-        policy,
-        tokenizer,
-        engine,
-        ref,
-        critic,
-        c.advantage,
-        c.aggregator,
-        c.loss,
-        c.correction,
-        c.reward_fns,
-        sampler,
-        optimizer,
-        schedule,
-    ), warm
+    parts = Parts(
+        task=task,
+        model=model,
+        policy=policy,
+        tokenizer=tokenizer,
+        engine=engine,
+        ref=ref,
+        critic=critic,
+        advantage=c.advantage,
+        aggregator=c.aggregator,
+        loss=c.loss,
+        correction=c.correction,
+        reward_fns=c.reward_fns,
+        sampler=sampler,
+        optimizer=optimizer,
+        schedule=schedule,
+    )
+    return parts, warm
 
 
 def eval_options(cfg: DictConfig) -> dict:
@@ -189,12 +193,13 @@ def eval_options(cfg: DictConfig) -> dict:
     )
 
 
-def start_logging(run: Run, c: Components, run_info: dict, warm: dict):
+def start_logging(run: Run, c: Validated, run_info: dict, warm: dict):
     """The run's logger, and `run.json` (choices, resolved config, warm start, processes, hardware)."""
     cfg, run_dir = run.cfg, run.runtime.run_dir
     logger = build(
         cfg,
         "logger",
+        MetricSink,
         run_dir=run_dir,
         run_config=resolved(cfg),
         resume_step=run.progress.start,
@@ -214,11 +219,11 @@ def start_logging(run: Run, c: Components, run_info: dict, warm: dict):
     return logger
 
 
-def setup(cfg: DictConfig, run_dir: str, run_info: dict, components: Components | None = None, stop=None) -> Run:
-    """Build the run of a validated config (`components` from `validate`; validated here when not
+def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | None = None, stop=None) -> Run:
+    """Build the run of a validated config (`validated` from `validate`; validated here when not
     given), warm-start, resume from the run directory's last checkpoint, start the logger and
     evaluate once before training. `stop` (`StopSignals`) lets a signal end the warm start early."""
-    c = components or validate(cfg)
+    c = validated or validate(cfg)
     if cfg.warm_start.steps:
         check_writable(cfg.warm_start.cache_dir, "warm_start.cache_dir")
     if cfg.threads or run_info.get("threads"):

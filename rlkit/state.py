@@ -7,12 +7,30 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig
 
-from rlkit.components import AdvantageEstimator, Aggregator, Correction, Critic, Engine, Model, PolicyLoss, Sampler
+from rlkit.components import (
+    AdvantageEstimator,
+    Aggregator,
+    Correction,
+    Critic,
+    Engine,
+    MetricSink,
+    Model,
+    PolicyLoss,
+    RewardFunction,
+    Sampler,
+    Task,
+)
+
+if TYPE_CHECKING:  # for the annotations only: importing them here would load transformers and the strategies
+    from transformers import PreTrainedTokenizerBase
+
+    from rlkit.guards import NonFiniteGuard
+    from rlkit.parallel.strategy import OneProcess
 
 
 class Timer(dict):
@@ -25,14 +43,15 @@ class Timer(dict):
         self[name] = self.get(name, 0.0) + time.perf_counter() - t0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Parts:
-    """The built components and models (the objects keep their own internal state)."""
+    """The built components and models (the objects keep their own internal state), built once
+    by keyword (`setup.build_parts`)."""
 
-    task: Any
+    task: Task
     model: Model  # the model component: reference, loading weights
     policy: torch.nn.Module
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     engine: Engine
     ref: torch.nn.Module | None  # frozen reference, only when loss.beta > 0
     critic: Critic | None  # only when the estimator needs one
@@ -40,7 +59,7 @@ class Parts:
     aggregator: Aggregator
     loss: PolicyLoss
     correction: Correction
-    reward_fns: dict  # name -> RewardFunction; {} = the task's own reward
+    reward_fns: dict[str, RewardFunction]  # {} = the task's own reward
     sampler: Sampler
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LambdaLR
@@ -64,9 +83,9 @@ class Runtime:
 
     run_dir: str
     device: torch.device
-    parallel: Any  # the strategy (rlkit.parallel.strategy): rank, world, reductions
-    logger: Any = None
-    guard: Any = None  # NonFiniteGuard
+    parallel: OneProcess  # the strategy (a subclass for several processes): rank, world, reductions
+    logger: MetricSink | None = None  # set once the run is built
+    guard: NonFiniteGuard | None = None
     timer: Timer = field(default_factory=Timer)
     t0: float = field(default_factory=time.perf_counter)  # this session's start
 

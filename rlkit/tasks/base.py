@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from datasets import Dataset, Features, Value, load_dataset
 
+from rlkit import components
 from rlkit.watchdog import WATCHDOG, TimeLimit
 
 
@@ -97,15 +98,14 @@ def load_table(
     return data
 
 
-class Task:
-    """A task holds `train` and `eval` splits (`datasets.Dataset` with `prompt` and `answer`)
-    and scores a completion against its row with `reward(row, completion) -> float`."""
+class Task(components.Task):
+    """The defaults of a task (`rlkit.components.Task`): a subclass sets `train` and `eval`
+    (`datasets.Dataset` with `prompt` and `answer`) and scores a completion against its row with
+    `reward(row, completion) -> float`."""
 
     train: Dataset
     eval: Dataset
-    demonstrations: Dataset | None = None  # the prompts the warm start demonstrates; None: every training prompt
-    demonstration = None  # method (row, rng) -> a worked answer to train on; None: no warm start, no probe set
-    features = None  # method completion -> {name: number}, logged per step; None: no feature metrics
+    demonstrations: Dataset | None = None
 
     @property
     def alphabet(self) -> str:
