@@ -52,7 +52,7 @@ def measure(size: str, group: int, budget: int, prompts: int, steps: int, natura
         for _ in range(steps + 1):  # the first step is a warm-up
             state.runtime.timer.clear()
             t0 = time.perf_counter()
-            rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
+            rollout, _ = collect(state)
             prepare_and_update(state, rollout)
             times.append(time.perf_counter() - t0)
             splits.append(dict(state.runtime.timer))

@@ -319,7 +319,7 @@ def rlkit_step(state, side: "Side") -> None:
     state.runtime.timer.clear()
     with peak_memory(state.runtime.device, side.peaks, side.activations):
         t0 = time.perf_counter()
-        rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
+        rollout, _ = collect(state)
         prepare_and_update(state, rollout)
         side.steps.append(time.perf_counter() - t0)
     side.phases.append(dict(state.runtime.timer))

@@ -34,7 +34,7 @@ def check(overrides: list[str], steps: int, peak_tflops: float, device: str) -> 
         gen_tokens = train_tokens = gen_s = update_s = 0.0
         for step in range(steps + 1):  # the first step warms up kernels and is not counted
             state.runtime.timer.clear()
-            rollout, _ = collect(state.parts, state.runtime, state.cfg.rollout, state.cfg.reward)
+            rollout, _ = collect(state)
             prepare_and_update(state, rollout)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()

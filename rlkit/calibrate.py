@@ -79,10 +79,10 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     seed_everything(cfg.seed)
     engine = build(cfg, "engine", Engine, policy=policy.eval(), tokenizer=tokenizer)
     rows = getattr(task, split).to_list()[: prompts or None]
-    R, budget = cfg.rollout, cfg.rollout.max_new_tokens
+    rollout, budget = cfg.rollout, cfg.rollout.max_new_tokens
     with torch.no_grad():
         greedy = answers(engine.latest(), tokenizer, task, rows, cfg.eval.batch_size, budget)
-        options = cfg.eval.batch_size, budget, R.temperature, R.top_p, cfg.eval.seed
+        options = cfg.eval.batch_size, budget, rollout.temperature, rollout.top_p, cfg.eval.seed
         sampled = sampled_answers(engine.latest(), tokenizer, task, rows, n, *options)
     present = presence(task, [r for r in rows for _ in range(n)], sampled.texts)  # [E * n]
     d = difficulties(rows)
@@ -93,7 +93,7 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     for name, keep in levels.items():  # keep: [E]
         each = keep.repeat_interleave(n)  # [E * n]
         out[name] = level_stats(
-            task, n, R.group_size, budget, subset(sampled, each), subset(greedy, keep), present[each]
+            task, n, rollout.group_size, budget, subset(sampled, each), subset(greedy, keep), present[each]
         )
     return out
 

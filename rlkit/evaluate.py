@@ -153,3 +153,10 @@ def sampled_answers(
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
+
+
+def held_out(run) -> dict:
+    """`evaluate` of a run (`rlkit.state.Run`) as it stands: the engine's latest weights, the run's
+    evaluation settings, the policy's probe entropy."""
+    p = run.parts
+    return evaluate(p.engine.latest(), p.tokenizer, p.task, **run.settings.evaluation, policy=p.policy)

@@ -1,30 +1,26 @@
 """The RL loop: `step` runs four phases, written out below in the order they run: `collect` (sample prompts,
 generate, score), `prepare` (reference and old log-probs, critic values, KL in the reward,
 advantages), `update` (epochs x mini-batches x micro-batches) and `measure` (the step's metrics);
-then, when due, the held-out evaluation and the log line. Each phase takes the parts it uses, the
-runtime and its own sub-config. A run's life as a process (process group, lock, signals, the steps,
-checkpoints, summary) is `rlkit.session`."""
+then, when due, the held-out evaluation and the log line. Each phase takes the run and the data of
+the phase before and hands its own on; settings are `run.settings`, read from the config once.
+A run's life as a process (process group, lock, signals, checkpoints, summary) is `rlkit.session`."""
 
 from __future__ import annotations
 
 import sys
-from functools import partial
 
 import torch
-from omegaconf import DictConfig
 from transformers.utils import logging as hf_logging
 
 from rlkit import parallel
 from rlkit.batching import micro_batches, mini_batches, over_micro_batches
-from rlkit.config import shuffle_mode
 from rlkit.critic import explained_variance
-from rlkit.evaluate import evaluate
+from rlkit.evaluate import held_out
 from rlkit.guards import checked_advantages, finite
 from rlkit.logprobs import rollout_logprobs
 from rlkit.metrics import kept_metrics, mean_or_none, mismatch_metrics, samples, update_metrics, weight_metrics
 from rlkit.rewards import overlong_penalty, score, shuffled, step_reward_matrix
-from rlkit.setup import eval_options
-from rlkit.state import Parts, Run, Runtime
+from rlkit.state import Run
 from rlkit.types import Batch, LossInput, Rollout, UpdateStats
 
 hf_logging.disable_progress_bar()
@@ -33,37 +29,39 @@ hf_logging.disable_progress_bar()
 # ---- 1. collect: P prompts from the sampler, G completions each from the engine, scored -------------------------
 
 
-def collect(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig) -> tuple[Rollout, dict]:
-    """A rollout from the sampler (`R`: the rollout config; `reward`: the reward config), and the
-    metrics of everything generated, kept or not."""
-    parts.policy.eval()
+def collect(run: Run) -> tuple[Rollout, dict]:
+    """A rollout from the sampler, and the metrics of everything generated, kept or not."""
+    run.parts.policy.eval()
     generated = []  # every rollout the sampler asked for, kept or not
 
     def make(rows: list[dict]) -> Rollout:
-        generated.append(make_rollout(parts, rt, R, reward, rows))
+        generated.append(make_rollout(run, rows))
         return generated[-1]
 
-    rollout, metrics = parts.sampler.sample(make)
-    if parts.engine.lag is not None:  # updates between the sampled weights and the trainer's
-        metrics["offpolicy/lag"] = parts.engine.lag
+    rollout, metrics = run.parts.sampler.sample(make)
+    if run.parts.engine.lag is not None:  # updates between the sampled weights and the trainer's
+        metrics["offpolicy/lag"] = run.parts.engine.lag
     metrics["train/gen_tokens"] = sum(int(r.completion_mask.sum()) for r in generated)
     metrics["train/reward_all"] = mean_or_none(torch.cat([r.rewards for r in generated]))  # kept or not
     return rollout, metrics
 
 
-def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, rows: list[dict]) -> Rollout:
+def make_rollout(run: Run, rows: list[dict]) -> Rollout:
     """G completions of each of this process's share of `rows`, decoded and scored."""
-    G, world, timeout = R.group_size, rt.parallel.world, reward.timeout_s
-    rows = [row for row in parallel.shard(rows, rt.rank, world) for _ in range(G)]  # N rows, groups contiguous
+    parts, rt, s = run.parts, run.runtime, run.settings
+    G, timeout = s.group_size, s.score_timeout_s
+    rows = [
+        row for row in parallel.shard(rows, rt.rank, rt.parallel.world) for _ in range(G)
+    ]  # N rows, groups contiguous
     with rt.timer("generate"):
-        gen = parts.engine.generate([r["prompt"] for r in rows], R.max_new_tokens, R.temperature, R.top_p)
+        gen = parts.engine.generate([r["prompt"] for r in rows], s.max_new_tokens, s.temperature, s.top_p)
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        rewards, by_fn = score(parts.task, parts.reward_fns, reward.combine, rows, texts, G, timeout)  # [N], [N, K]
-        rewards = shuffled(rewards, G, shuffle_mode(reward.shuffle)).to(rt.device)  # [N] the control: unrelated rewards
+        rewards, by_fn = score(parts.task, parts.reward_fns, s.combine, rows, texts, G, timeout)  # [N], [N, K]
+        rewards = shuffled(rewards, G, s.shuffle).to(rt.device)  # [N] the control: unrelated rewards
         r = Rollout.from_generation(gen, G, rows=rows, texts=texts, rewards=rewards, reward_parts=by_fn)
-        if reward.overlong_cache:
-            r.shaping = overlong_penalty(r.lengths, R.max_new_tokens, reward.overlong_cache)  # [N]
+        if s.overlong_cache:
+            r.shaping = overlong_penalty(r.lengths, s.max_new_tokens, s.overlong_cache)  # [N]
         if parts.advantage.needs_step_rewards:
             steps = parts.task.score_steps(rows, texts, timeout)
             r.step_rewards, r.step_mask = step_reward_matrix(
@@ -75,20 +73,20 @@ def make_rollout(parts: Parts, rt: Runtime, R: DictConfig, reward: DictConfig, r
 # ---- 2. prepare: forwards needed before the update, then advantages ----------------------------------------------
 
 
-def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollout: Rollout) -> Batch:
-    """`O`: the optim config (epochs, mini- and micro-batches); `temperature`: the rollout's."""
-    loss = parts.loss
-    rows = micro_batches(rollout, torch.arange(rollout.num_rows), O.micro_batch_size, O.micro_batch_tokens)
+def prepare(run: Run, rollout: Rollout) -> Batch:
+    """The reference's and the old policy's log-probs and the critic's values where needed, then
+    the advantages, the tokens trained on and the tokens selected."""
+    parts, s, loss = run.parts, run.settings, run.parts.loss
+    rows = micro_batches(rollout, torch.arange(rollout.num_rows), s.micro_batch_size, s.micro_batch_tokens)
 
     def forward(model, entropy: str = "none"):  # -> (logp, entropy) [N, Tc] each; (None, None) without a model
         if model is None:
             return None, None
-        fn = partial(rollout_logprobs, model, temperature=temperature, entropy=entropy, share=O.share_prefix)
-        return over_micro_batches(fn, rollout, rows, outputs=2)
+        return over_micro_batches(lambda r: logprobs(run, model, r, entropy), rollout, rows, outputs=2)
 
-    with rt.timer("logprob"):
+    with run.runtime.timer("logprob"):
         ref_logp = forward(parts.ref)[0]  # [N, Tc]
-        old_model = parts.policy if needs_old_logprobs(parts, O) else None  # None: the update's own, detached
+        old_model = parts.policy if needs_old_logprobs(run) else None  # None: the update's own, detached
         old_logp, entropy = forward(old_model, "metric" if loss.selects_tokens else "none")  # [N, Tc] each
         values = over_micro_batches(parts.critic.values, rollout, rows) if parts.critic is not None else None  # [N, Tc]
     if loss.kl_in_reward:
@@ -99,50 +97,58 @@ def prepare(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, rollou
     return Batch(rollout, mask, adv, returns, old_logp, ref_logp, values, select)
 
 
-def needs_old_logprobs(parts: Parts, O: DictConfig) -> bool:
+def logprobs(run: Run, model, rollout: Rollout, entropy: str) -> tuple:
+    """`model`'s log-probs of the rollout's completions at the rollout's temperature.  -> [n, Tc], [n, Tc] | None"""
+    s = run.settings
+    return rollout_logprobs(model, rollout, s.temperature, entropy, share=s.share_prefix)
+
+
+def needs_old_logprobs(run: Run) -> bool:
     """Whether the old log-probs need a forward of their own: they come free from the update itself
     unless the rollout is reused, the KL sits in the reward, the engine's numbers are not the
     trainer's, or the loss selects tokens by their entropy."""
-    reused = O.epochs > 1 or O.mini_batches > 1
-    return reused or parts.loss.kl_in_reward or parts.loss.selects_tokens or not parts.engine.exact_logprobs
+    loss, reused = run.parts.loss, run.settings.epochs > 1 or run.settings.mini_batches > 1
+    return reused or loss.kl_in_reward or loss.selects_tokens or not run.parts.engine.exact_logprobs
 
 
 # ---- 3. update: epochs x mini-batches (by groups) x micro-batches; the critic on the same mini-batches ------------
 
 
-def update(parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: Batch) -> UpdateStats:
+def update(run: Run, batch: Batch) -> UpdateStats:
+    """Every optimizer step of the step's batch. The update is skipped (`stats.skipped`, the one
+    place it is set) when an advantage is not finite on any process, or at the first optimizer step
+    whose loss or gradient norm is not."""
+    parts, s = run.parts, run.settings
     stats = UpdateStats(skipped=parallel.any_rank(not finite(batch.adv)))
     parts.policy.train()
-    with rt.timer("update"):
-        for rows in [] if stats.skipped else mini_batches(batch.rollout, O.epochs, O.mini_batches):
-            if not policy_step(parts, rt, O, temperature, batch, rows, stats):
+    with run.runtime.timer("update"):
+        for rows in [] if stats.skipped else mini_batches(batch.rollout, s.epochs, s.mini_batches):
+            stats.skipped = not policy_step(run, batch, rows, stats)
+            if stats.skipped:
                 break
             if parts.critic is not None:
-                stats.value_losses.append(
-                    parts.critic.update(
-                        batch.rollout.select_rows(rows), batch.old_values[rows], batch.returns[rows], batch.mask[rows]
-                    )
-                )
+                picked = batch.rollout.select_rows(rows), batch.old_values[rows], batch.returns[rows], batch.mask[rows]
+                stats.value_losses.append(parts.critic.update(*picked))
         if stats.grad_norms:  # the warm-up counts updates, not skipped steps
             parts.schedule.step()
             parts.engine.load_weights(parts.policy)
     return stats
 
 
-def policy_step(
-    parts: Parts, rt: Runtime, O: DictConfig, temperature: float, batch: Batch, rows: torch.Tensor, stats: UpdateStats
-) -> bool:
-    """One optimizer step on `rows`, accumulated over micro-batches; False (and no step) when the
-    loss or the gradient norm is not finite."""
+def policy_step(run: Run, batch: Batch, rows: torch.Tensor, stats: UpdateStats) -> bool:
+    """One optimizer step on `rows`, accumulated over micro-batches. Returns whether it stepped:
+    False (and no step) when the loss or the gradient norm is not finite on any process."""
+    parts, s = run.parts, run.settings
     weights = parallel.global_weights(parts.aggregator, batch.mask[rows])  # [n, Tc] normalised over the mini-batch
     parts.optimizer.zero_grad(set_to_none=True)
-    total, entropy_sums = 0.0, torch.zeros(2)  # the selected tokens' entropy sum and count (adaptive coefficient)
-    for micro in micro_batches(batch.rollout, rows, O.micro_batch_size, O.micro_batch_tokens):
-        x, corrected = loss_input(parts, O.share_prefix, temperature, batch, rows[micro])
+    total, finite_loss = 0.0, True
+    entropy_sums = torch.zeros(2)  # the selected tokens' entropy sum and count (adaptive coefficient)
+    for micro in micro_batches(batch.rollout, rows, s.micro_batch_size, s.micro_batch_tokens):
+        x, corrected = loss_input(run, batch, rows[micro])
         L, info = parts.loss(x)  # [m, Tc]
         loss = (L * weights[micro]).sum()
-        if not finite(loss.detach()):
-            stats.skipped = True
+        finite_loss = finite(loss.detach())
+        if not finite_loss:
             break
         loss.backward()
         total += float(loss.detach())
@@ -150,18 +156,18 @@ def policy_step(
         stats.add({**info, **corrected, "entropy": entropy}, x.mask)
         counted = x.mask if x.select is None else x.mask * x.select  # [m, Tc]
         entropy_sums += torch.stack([(entropy * counted).sum(), counted.sum()]).cpu()
-    if not finish_step(parts, rt, O.max_grad_norm, stats, total):
+    if not optimizer_step(run, stats, total, finite_loss):
         return False
     parts.loss.end_step(entropy_sums)
     return True
 
 
-def loss_input(parts: Parts, share: str, temperature: float, batch: Batch, idx: torch.Tensor) -> tuple[LossInput, dict]:
+def loss_input(run: Run, batch: Batch, idx: torch.Tensor) -> tuple[LossInput, dict]:
     """Rows `idx` of the batch as the loss takes them: the policy's forward (with gradient) and the
     correction's weights, with the correction's statistics."""
+    parts = run.parts
     r, adv, mask = batch.rollout.select_rows(idx), batch.adv[idx], batch.mask[idx]  # [m, Tc] each
-    entropy_kind = "grad" if parts.loss.entropy_grad else "metric"
-    logp, entropy = rollout_logprobs(parts.policy, r, temperature, entropy_kind, share=share)  # [m, Tc] each
+    logp, entropy = logprobs(run, parts.policy, r, "grad" if parts.loss.entropy_grad else "metric")  # [m, Tc] each
     old = logp.detach() if batch.old_logp is None else batch.old_logp[idx]  # [m, Tc]
     behaviour = old if r.behaviour_logp is None else r.behaviour_logp  # [m, Tc] what the engine sampled with
     is_weight, corrected = parts.correction(logp.detach(), old, behaviour, adv, mask)  # [m, Tc]
@@ -170,12 +176,14 @@ def loss_input(parts: Parts, share: str, temperature: float, batch: Batch, idx: 
     return LossInput(logp, old, adv, mask, ref, entropy, is_weight, select), corrected
 
 
-def finish_step(parts: Parts, rt: Runtime, max_grad_norm: float, stats: UpdateStats, total: float) -> bool:
-    """Reduce the gradients over the processes, clip, and step unless anything is non-finite."""
-    rt.parallel.reduce_gradients(parts.policy.parameters())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(parts.policy.parameters(), max_grad_norm))
-    if parallel.any_rank(stats.skipped) or not finite(grad_norm):
-        stats.skipped = True
+def optimizer_step(run: Run, stats: UpdateStats, total: float, finite_loss: bool) -> bool:
+    """Reduce the gradients over the processes, clip, and step unless this process's loss or any
+    process's gradient norm is not finite (every process takes part in the reductions). Returns
+    whether it stepped."""
+    parts = run.parts
+    run.runtime.parallel.reduce_gradients(parts.policy.parameters())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(parts.policy.parameters(), run.settings.max_grad_norm))
+    if parallel.any_rank(not finite_loss) or not finite(grad_norm):
         parts.optimizer.zero_grad(set_to_none=True)
         return False
     stats.losses.append(float(parallel.total(torch.tensor(total))))  # every rank's share of the loss
@@ -187,9 +195,8 @@ def finish_step(parts: Parts, rt: Runtime, max_grad_norm: float, stats: UpdateSt
 # ---- 4. measure: the step's metrics -------------------------------------------------------------------------------
 
 
-def measure(
-    parts: Parts, rt: Runtime, step: int, rollout: Rollout, batch: Batch | None, stats: UpdateStats, metrics: dict
-) -> dict:
+def measure(run: Run, step: int, rollout: Rollout, batch: Batch | None, stats: UpdateStats, metrics: dict) -> dict:
+    parts = run.parts
     if stats.skipped:
         metrics["train/nonfinite_skipped"] = 1
         print(f"rlkit: step {step}: non-finite advantage, loss or gradient norm; update skipped", file=sys.stderr)
@@ -207,8 +214,9 @@ def measure(
     if stats.value_losses:
         metrics["train/explained_variance"] = explained_variance(batch.old_values, batch.returns, batch.mask)
     metrics.update(parts.task.step_metrics())
-    metrics.update({f"time/{k}": v for k, v in rt.timer.items()})
-    metrics["perf/tokens_per_s"] = float(rollout.completion_mask.sum()) / rt.timer["step"]
+    timer = run.runtime.timer
+    metrics.update({f"time/{k}": v for k, v in timer.items()})
+    metrics["perf/tokens_per_s"] = float(rollout.completion_mask.sum()) / timer["step"]
     return metrics
 
 
@@ -218,26 +226,24 @@ def measure(
 def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
     """Step `n`: the four phases, the held-out evaluation when due, the log line and sample
     completions. Returns the logged metrics and the update's statistics."""
-    cfg, parts, rt = run.cfg, run.parts, run.runtime
+    s, rt = run.settings, run.runtime
     rt.timer.clear()
     with rt.timer("step"):
-        rollout, metrics = collect(parts, rt, cfg.rollout, cfg.reward)
+        rollout, metrics = collect(run)
         kept = parallel.any_rank(rollout.num_rows > 0)  # dynamic sampling may keep nothing
         batch, stats = prepare_and_update(run, rollout) if kept else (None, UpdateStats())
-    metrics = measure(parts, rt, n, rollout, batch, stats, metrics)
-    if n == cfg.steps or (cfg.eval.every and n % cfg.eval.every == 0):
-        engine, options = parts.engine.latest(), eval_options(cfg)
-        run.progress.last_eval = evaluate(engine, parts.tokenizer, parts.task, **options, policy=parts.policy)
+    metrics = measure(run, n, rollout, batch, stats, metrics)
+    if n == s.steps or (s.eval_every and n % s.eval_every == 0):
+        run.progress.last_eval = held_out(run)
         metrics.update(run.progress.last_eval)
     metrics = parallel.mean_metrics(metrics)
     rt.logger.log(n, metrics)  # metrics without a value (None) are left out
-    if cfg.samples_every and batch is not None and (n % cfg.samples_every == 0 or n == 1):
+    if s.samples_every and batch is not None and (n % s.samples_every == 0 or n == 1):
         rt.logger.log_samples(n, samples(rollout, batch.adv, per_group=2))
     return metrics, stats
 
 
 def prepare_and_update(run: Run, rollout: Rollout) -> tuple[Batch, UpdateStats]:
     """Phases 2 and 3 on a collected rollout."""
-    O, temperature = run.cfg.optim, run.cfg.rollout.temperature
-    batch = prepare(run.parts, run.runtime, O, temperature, rollout)
-    return batch, update(run.parts, run.runtime, O, temperature, batch)
+    batch = prepare(run, rollout)
+    return batch, update(run, batch)

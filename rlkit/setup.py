@@ -30,14 +30,14 @@ from rlkit.components import (
     Task,
 )
 from rlkit.config import build, check_values, chosen, resolved, target_class
-from rlkit.evaluate import evaluate
+from rlkit.evaluate import held_out
 from rlkit.guards import NonFiniteGuard
 from rlkit.hardware import hardware
 from rlkit.locks import check_writable
 from rlkit.preflight import check_context, check_encodable, check_rollout_memory
 from rlkit.refusals import check, require
 from rlkit.sinks import NullLogger
-from rlkit.state import Parts, Progress, Run, Runtime
+from rlkit.state import Parts, Progress, Run, Runtime, Settings
 from rlkit.warm_start import applies as warm_start_applies
 from rlkit.warm_start import warm_start
 
@@ -131,11 +131,11 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     check_context(tokenizer, policy, splits, cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
     if cfg.eval.max_new_tokens:
         check_context(tokenizer, policy, {"eval": task.eval}, cfg.eval.max_new_tokens, "eval.max_new_tokens")
-    R, O = cfg.rollout, cfg.optim
-    rows = -(-R.prompts_per_step * R.group_size // world)
+    rollout, optim = cfg.rollout, cfg.optim
+    rows = -(-rollout.prompts_per_step * rollout.group_size // world)
     prompt = max(len(ids) for ids in tokenizer(list(task.train["prompt"]))["input_ids"])
     check_rollout_memory(
-        policy, rows, O.micro_batch_size or -(-rows // O.mini_batches), prompt + R.max_new_tokens, device
+        policy, rows, optim.micro_batch_size or -(-rows // optim.mini_batches), prompt + rollout.max_new_tokens, device
     )
     warm = warm_start(
         policy, tokenizer, task, cfg.warm_start, {"model": resolved(cfg.model), "task": resolved(cfg.task)}, stop
@@ -150,13 +150,17 @@ def build_parts(cfg: DictConfig, c: Validated, device: torch.device, stop) -> tu
     ref = model.reference(policy) if c.loss.beta > 0 else None
     # wrapped after the reference copy and before the optimizer, which then holds what this process owns
     policy, ref = c.parallel.wrap(policy), c.parallel.wrap(ref)
-    O = cfg.optim
+    optim = cfg.optim
     critic = (
-        build(cfg, "critic", Critic, policy=policy, max_grad_norm=O.max_grad_norm) if c.advantage.needs_critic else None
+        build(cfg, "critic", Critic, policy=policy, max_grad_norm=optim.max_grad_norm)
+        if c.advantage.needs_critic
+        else None
     )
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
-    optimizer = torch.optim.AdamW(trainable, lr=O.lr, weight_decay=O.weight_decay, betas=(O.beta1, O.beta2), eps=O.eps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (O.warmup_steps + 1)))
+    optimizer = torch.optim.AdamW(
+        trainable, lr=optim.lr, weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2), eps=optim.eps
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (optim.warmup_steps + 1)))
     sampler = build(cfg, "sampler", Sampler, dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
     engine = build(cfg, "engine", Engine, policy=policy, tokenizer=tokenizer)
     parts = Parts(
@@ -177,20 +181,6 @@ def build_parts(cfg: DictConfig, c: Validated, device: torch.device, stop) -> tu
         schedule=schedule,
     )
     return parts, warm
-
-
-def eval_options(cfg: DictConfig) -> dict:
-    """`evaluate`'s options from the `eval` and `rollout` configs."""
-    R = cfg.rollout
-    return dict(
-        batch_size=cfg.eval.batch_size,
-        max_new_tokens=cfg.eval.max_new_tokens or R.max_new_tokens,
-        samples=cfg.eval.samples,
-        temperature=R.temperature,
-        top_p=R.top_p,
-        seed=cfg.eval.seed,
-        pass_k=tuple(cfg.eval.pass_k),
-    )
 
 
 def start_logging(run: Run, c: Validated, run_info: dict, warm: dict):
@@ -232,9 +222,8 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
     device = torch.device(parallel.local_device(cfg.device))
     parts, warm = build_parts(cfg, c, device, stop)
     seed_everything(cfg.seed + rank)  # ranks sample differently; rank 0 as a single process would
-    run = Run(
-        cfg, parts, Progress(), Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite))
-    )
+    runtime = Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite))
+    run = Run(cfg, parts, Settings.of(cfg), Progress(), runtime)
     if rank == 0:  # it holds the directory's lock: temporary files there are of writers that died
         checkpoint.remove_stale_temporaries(run_dir)
     if rank == 0 and not cfg.checkpoint.resume:
@@ -243,9 +232,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
         checkpoint.resume(run)
     run.runtime.logger = NullLogger() if rank else start_logging(run, c, run_info, warm)  # rank 0 alone writes
     p = run.progress
-    p.first_eval = p.first_eval or evaluate(
-        parts.engine.latest(), parts.tokenizer, parts.task, **eval_options(cfg), policy=parts.policy
-    )
+    p.first_eval = p.first_eval or held_out(run)
     p.last_eval = p.last_eval or p.first_eval
     if p.start == 0:
         run.runtime.logger.log(0, p.first_eval)

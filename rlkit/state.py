@@ -1,6 +1,7 @@
 """A run's state, split by lifetime: `Parts` (what the run is built from, fixed once built),
-`Progress` (what the loop advances and a checkpoint restores) and `Runtime` (this process: its
-directory, device, parallel strategy, logger, guards, clock). `Run` holds the three and the config."""
+`Settings` (the loop's numbers and modes, read from the config once), `Progress` (what the loop
+advances and a checkpoint restores) and `Runtime` (this process: its directory, device, parallel
+strategy, logger, guards, clock). `Run` holds the four and the config."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from rlkit.components import (
     Sampler,
     Task,
 )
+from rlkit.config import shuffle_mode
 
 if TYPE_CHECKING:  # for the annotations only: importing them here would load transformers and the strategies
     from transformers import PreTrainedTokenizerBase
@@ -65,6 +67,62 @@ class Parts:
     schedule: torch.optim.lr_scheduler.LambdaLR
 
 
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What the loop's phases read of the config, read once when the run is built (`of`)."""
+
+    steps: int
+    group_size: int  # G
+    max_new_tokens: int
+    temperature: float  # the rollout's sampling temperature, also that of every log-prob
+    top_p: float
+    combine: str  # how reward terms combine (`reward.combine`)
+    score_timeout_s: float
+    shuffle: str  # the shuffled-reward control: none, step or ...
+    overlong_cache: int
+    epochs: int
+    mini_batches: int
+    micro_batch_size: int
+    micro_batch_tokens: int
+    share_prefix: str
+    max_grad_norm: float
+    eval_every: int
+    samples_every: int
+    evaluation: dict  # `evaluate`'s options
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> Settings:
+        rollout, optim, reward, held_out = cfg.rollout, cfg.optim, cfg.reward, cfg.eval
+        return cls(
+            steps=cfg.steps,
+            group_size=rollout.group_size,
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            combine=reward.combine,
+            score_timeout_s=reward.timeout_s,
+            shuffle=shuffle_mode(reward.shuffle),
+            overlong_cache=reward.overlong_cache,
+            epochs=optim.epochs,
+            mini_batches=optim.mini_batches,
+            micro_batch_size=optim.micro_batch_size,
+            micro_batch_tokens=optim.micro_batch_tokens,
+            share_prefix=optim.share_prefix,
+            max_grad_norm=optim.max_grad_norm,
+            eval_every=held_out.every,
+            samples_every=cfg.samples_every,
+            evaluation=dict(
+                batch_size=held_out.batch_size,
+                max_new_tokens=held_out.max_new_tokens or rollout.max_new_tokens,
+                samples=held_out.samples,
+                temperature=rollout.temperature,
+                top_p=rollout.top_p,
+                seed=held_out.seed,
+                pass_k=tuple(held_out.pass_k),
+            ),
+        )
+
+
 @dataclass
 class Progress:
     """Where the run stands; saved in every checkpoint."""
@@ -98,6 +156,7 @@ class Runtime:
 class Run:
     cfg: DictConfig
     parts: Parts
+    settings: Settings
     progress: Progress
     runtime: Runtime
 

@@ -18,7 +18,7 @@ from rlkit.setup import setup, validate
 
 def prepared(cfg, tmp_path):
     state = setup(cfg, str(tmp_path), {})
-    rollout, _ = collect(state.parts, state.runtime, cfg.rollout, cfg.reward)
+    rollout, _ = collect(state)
     return state, rollout
 
 

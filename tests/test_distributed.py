@@ -66,13 +66,7 @@ def updates(tmp_path_factory, warm_cache):
     for case in PARALLEL_CASES:
         out = tmp_path_factory.mktemp(case)
         state = setup(make_cfg(case_overrides(case, 1), cache_dir=warm_cache), str(out / "single"), {})
-        rollout = make_rollout(
-            state.parts,
-            state.runtime,
-            state.cfg.rollout,
-            state.cfg.reward,
-            [state.parts.task.train[i] for i in range(4)],
-        )
+        rollout = make_rollout(state, [state.parts.task.train[i] for i in range(4)])
         if case == "dynamic_sampling":  # group 0 (rank 0) uninformative, groups 1-3 informative: keeps 1 and 2
             rollout.rewards = torch.tensor([0.0] * 4 + [1.0, 0, 0, 0] * 3)
         torch.save(rollout, out / "rollout.pt")
