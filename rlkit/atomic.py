@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -98,3 +99,31 @@ def _disk_full(folder: Path, margin: int = 1 << 20) -> bool:
     except OSError:
         return False
     return s.f_bavail * s.f_frsize < margin
+
+
+MANIFEST = "manifest.json"  # in a folder written whole (a checkpoint, a cache entry): its files' SHA-256
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path) -> None:
+    """`manifest.json` with the SHA-256 of every other file under `folder`, checked by `damage`."""
+    manifest = {str(p.relative_to(folder)): sha256(p) for p in _files(folder)}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted, or None when every file matches its manifest."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST} (written incompletely)"
+    for name, digest in manifest.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if sha256(file) != digest:
+            return f"{name} does not match its checksum"
+    return None

@@ -3,33 +3,29 @@ the policy and tokenizer in Hugging Face format plus `trainer_state.pt`, and las
 every file's SHA-256 that resume checks, so a damaged checkpoint is named and skipped. Loading
 runs no code from the run directory: the trainer state holds tensors and plain Python data only
 and is read with `weights_only=True`; anything else in it is refused with the file's name.
-`save_run` and `resume` write and restore a whole run (every process's part); `set_aside` moves
-an earlier run's files away when a run starts over in the same directory."""
+`save_run` and `resume` write and restore a whole run (every process's part). The directory around
+the checkpoints (its lock, setting an earlier run aside) is `rlkit.rundir`'s."""
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
 import random
 import re
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rlkit import atomic, parallel
-from rlkit.atomic import sha256, staged
+from rlkit import parallel
+from rlkit.atomic import damage, staged, write_manifest
 from rlkit.config import resolved
 from rlkit.guards import NonFiniteError, all_finite
 from rlkit.refusals import ConfigError
-from rlkit.rundir import HYDRA_FILES
 from rlkit.state import Progress, Run
 
-STATE, MANIFEST = "trainer_state.pt", "manifest.json"
+STATE = "trainer_state.pt"
 # what checkpoints written before the RNG states were stored as plain data need, and nothing more
 NUMPY_ARRAYS = [
     np.ndarray,
@@ -68,10 +64,6 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(n)
 
 
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
 def save(
     run_dir: str | Path, step: int, models: dict, tokenizer, state: dict, keep: int = 2, rng_ranks: list | None = None
 ) -> Path:
@@ -90,27 +82,6 @@ def save(
     for old in sorted(root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def write_manifest(folder: Path) -> None:
-    """`manifest.json` with the SHA-256 of every other file under `folder`, checked by `damage`."""
-    manifest = {str(p.relative_to(folder)): sha256(p) for p in _files(folder)}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
-
-
-def damage(path: Path) -> str | None:
-    """Why the checkpoint at `path` cannot be trusted, or None when every file matches its manifest."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return f"no readable {MANIFEST} (written incompletely)"
-    for name, digest in manifest.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if sha256(file) != digest:
-            return f"{name} does not match its checksum"
-    return None
 
 
 def latest(run_dir: str | Path) -> Path | None:
@@ -202,8 +173,6 @@ def check_progress(state: dict, cfg, digest: dict, path) -> None:
 
 # ---- a run's checkpoints: save every process's part, resume, or set an earlier run aside ----------------------
 
-PREVIOUS = "previous_runs"
-
 
 def save_run(run: Run, step: int) -> Path:
     """The checkpoint of `run` after `step` (every process takes part; rank 0 writes it)."""
@@ -291,35 +260,3 @@ def load_parts(run: Run, last: Path, state: dict) -> None:
     parts.engine.load_state_dict(state.get("engine", {}))
     parts.loss.load_state_dict(state.get("loss", {}))
     set_rng_state(state["rng_ranks"][run.runtime.rank % len(state["rng_ranks"])])
-
-
-def remove_stale_temporaries(run_dir: str | Path) -> None:
-    """Temporary files and folders of writers that died mid-write (`.tmp_<name>.<pid>`, a whole model
-    copy for a checkpoint). Called by the run that holds the directory's lock, so no live writer owns them."""
-    for folder in (Path(run_dir), Path(run_dir) / "checkpoints"):
-        for tmp in folder.glob(".tmp_*"):
-            if tmp.name.rsplit(".", 1)[-1] != str(os.getpid()):
-                atomic.remove(tmp)
-
-
-def set_aside(run_dir: str, earlier_hydra: dict | None = None) -> Path | None:
-    """Starting over (`checkpoint.resume=false`) in a directory that holds an earlier run: its files
-    (checkpoints, metrics, summary, wandb) move to `previous_runs/<time>/`, so nothing of it mixes
-    with the new run and nothing is deleted. `earlier_hydra` (relative name -> bytes) holds the
-    earlier run's `.hydra/` files, which Hydra has already overwritten with this run's; they are
-    written back there."""
-    old = [p for p in Path(run_dir).iterdir() if p.name not in HYDRA_FILES | {PREVIOUS}]
-    if not old:
-        return None
-    dest = Path(run_dir, PREVIOUS, time.strftime("%Y%m%d-%H%M%S"))
-    dest = next(
-        d for d in (dest.with_name(f"{dest.name}{'' if i == 0 else f'_{i}'}") for i in range(1000)) if not d.exists()
-    )
-    dest.mkdir(parents=True)
-    for p in old:
-        os.replace(p, dest / p.name)
-    for name, data in (earlier_hydra or {}).items():
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        (dest / name).write_bytes(data)
-    print(f"rlkit: checkpoint.resume=false: the earlier run's files in {run_dir} moved to {dest}", file=sys.stderr)
-    return dest

@@ -1,5 +1,5 @@
-"""Locks on disk: an advisory file lock (the warm-start cache), one run per run directory
-(`RunDirLock`), and a writable location checked before anything is built."""
+"""Locks on disk: an advisory file lock (the warm-start cache), and a writable location checked
+before anything is built. The run directory's own lock is `rlkit.rundir.RunDirLock`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlkit.refusals import ConfigError
-
-
-class RunDirInUse(ConfigError):
-    """The run directory is held by another live run: a refusal that must touch nothing there."""
 
 
 def check_writable(path: str | Path, key: str) -> None:
@@ -38,50 +34,3 @@ def file_lock(path: Path, wait: bool = True):
             yield f
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-class RunDirLock:
-    """Refuses a run directory that another live run holds (`.rlkit.lock`, an flock that dies with
-    its process, so a killed run's directory can be resumed at once). Taken in one system call,
-    before the run writes anything else there; a lock file that its holder removed while we waited
-    (a refused run undoing its directory) is not taken: the lock is retried on the file now there."""
-
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / ".rlkit.lock"
-        self.file = None
-
-    def __enter__(self):
-        for _ in range(100):
-            f = open(self.path, "a+")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.close()
-                holder = self.path.read_text().strip() if self.path.exists() else ""
-                raise RunDirInUse(
-                    f"hydra.run.dir: {self.path.parent} is in use by a live run ({holder or 'another process'}); "
-                    "wait for it, or choose another hydra.run.dir"
-                ) from None
-            if _same_file(f, self.path):
-                break
-            f.close()  # its holder removed it after we opened it: lock the one there now
-        else:
-            raise RunDirInUse(f"hydra.run.dir: {self.path.parent} keeps being removed by another process")
-        f.truncate(0)
-        f.write(f"pid {os.getpid()}")
-        f.flush()
-        self.file = f
-        return self
-
-    def __exit__(self, *exc):
-        if self.file is not None:
-            fcntl.flock(self.file, fcntl.LOCK_UN)
-            self.file.close()
-            self.file = None
-
-
-def _same_file(f, path: Path) -> bool:
-    try:
-        return os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
-    except FileNotFoundError:
-        return False

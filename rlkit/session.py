@@ -16,8 +16,9 @@ from tqdm import tqdm
 from rlkit import atomic, checkpoint, parallel
 from rlkit.guards import NonFiniteError
 from rlkit.hardware import check_portable
-from rlkit.locks import RunDirLock, check_writable
+from rlkit.locks import check_writable
 from rlkit.loop import step
+from rlkit.rundir import RunDirLock
 from rlkit.setup import setup, validate
 from rlkit.signals import Preempted, StopSignals
 from rlkit.state import Run

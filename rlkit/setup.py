@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 from omegaconf import DictConfig
 
-from rlkit import atomic, checkpoint, parallel
+from rlkit import atomic, checkpoint, parallel, rundir
 from rlkit.components import (
     AdvantageEstimator,
     Aggregator,
@@ -225,9 +225,9 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
     runtime = Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite))
     run = Run(cfg, parts, Settings.of(cfg), Progress(), runtime)
     if rank == 0:  # it holds the directory's lock: temporary files there are of writers that died
-        checkpoint.remove_stale_temporaries(run_dir)
+        rundir.remove_stale_temporaries(run_dir)
     if rank == 0 and not cfg.checkpoint.resume:
-        checkpoint.set_aside(run_dir, run_info.get("earlier_hydra"))
+        rundir.set_aside(run_dir, run_info.get("earlier_hydra"))
     if cfg.checkpoint.resume:
         checkpoint.resume(run)
     run.runtime.logger = NullLogger() if rank else start_logging(run, c, run_info, warm)  # rank 0 alone writes

@@ -22,7 +22,6 @@ from rlkit import atomic, parallel, rundir, sweeps
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE
 from rlkit.guards import NonFiniteError
 from rlkit.hardware import PORTABLE_ENV
-from rlkit.locks import RunDirInUse
 from rlkit.refusals import ConfigError
 from rlkit.signals import Preempted, StoppedAtOnce
 from rlkit.tasks.base import TaskError
@@ -134,7 +133,7 @@ def stop(e: BaseException, claim: rundir.Claim | None):
         raise e
     code, line = ended
     print(line, file=sys.stderr)
-    if code == EXIT_BAD_INPUT and claim is not None and not isinstance(e, RunDirInUse):
+    if code == EXIT_BAD_INPUT and claim is not None and not isinstance(e, rundir.RunDirInUse):
         claim.undo()
     if code == 1:
         time.sleep(PEER_GRACE_S)  # let the failing process exit first, so the launcher reports its own code
@@ -150,7 +149,7 @@ def sweep_job_failed(e: Exception, run_dir: str, hc) -> None:
     code, line = ended or (1, "".join(traceback.format_exception_only(type(e), e)))
     if ended is not None:
         print(line, file=sys.stderr)
-    if not isinstance(e, RunDirInUse):
+    if not isinstance(e, rundir.RunDirInUse):
         error = line.removeprefix("rlkit: ").removeprefix("error: ")
         sweeps.record_failure(run_dir, hc.job.num, list(hc.overrides.task), code, error)
     return None

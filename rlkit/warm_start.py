@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rlkit import checkpoint
+from rlkit import atomic
 from rlkit.atomic import staged
 from rlkit.engines.kv_cache import encode_prompts
 from rlkit.hardware import kernels
@@ -80,7 +80,7 @@ def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
     )  # the kernels change its numbers
     weights = path / "weights.pt"  # plain torch.save: the same on every rank of a torchrun job
     with file_lock(path.with_name(path.name + ".lock")):  # a job that finds another training it waits, then loads
-        why = checkpoint.damage(path) if path.exists() else "absent"
+        why = atomic.damage(path) if path.exists() else "absent"
         if why not in (None, "absent"):
             print(f"rlkit: warm-start cache {path} is damaged ({why}); training it again", file=sys.stderr)
         trained = why is not None
@@ -91,6 +91,6 @@ def warm_start(policy, tokenizer, task, cfg, key: dict, stop=None) -> dict:
                 tmp.mkdir(parents=True)
                 torch.save(policy.state_dict(), tmp / weights.name)
                 (tmp / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
-                checkpoint.write_manifest(tmp)
+                atomic.write_manifest(tmp)
         policy.load_state_dict(torch.load(weights, weights_only=True))
     return {"cache": str(path), "trained": trained}

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from cli import command, metrics, train, wait_for
 from conftest import make_cfg
-from rlkit import checkpoint
+from rlkit import atomic, checkpoint
 from rlkit.checkpoint import check_resume
 from rlkit.exits import EXIT_PREEMPTED
-from rlkit.locks import RunDirLock
 from rlkit.refusals import ConfigError
+from rlkit.rundir import RunDirLock
 from rlkit.session import run
 from rlkit.sinks import _truncate
 
@@ -132,7 +132,7 @@ def test_a_trainer_state_that_would_run_code_is_refused_and_runs_nothing(tmp_pat
     state = checkpoint.load_state(ckpt)  # a real state loads safely (RNG states are plain data)
     marker = tmp_path / "pwned"
     torch.save({**state, "sampler": Payload(marker)}, ckpt / "trainer_state.pt")
-    checkpoint.write_manifest(ckpt)  # the attacker recomputes the checksums too
+    atomic.write_manifest(ckpt)  # the attacker recomputes the checksums too
     with pytest.raises(
         ConfigError,
         match=r"trainer_state.pt holds objects other than tensors.*it names posix.system"
@@ -149,7 +149,7 @@ def test_a_checkpoint_with_numpy_rng_state_from_older_versions_still_resumes(tmp
     state = checkpoint.load_state(ckpt)
     old = [{**r, "numpy": np.random.get_state()} for r in state["rng_ranks"]]  # as earlier versions wrote it
     torch.save({**state, "rng_ranks": old}, ckpt / "trainer_state.pt")
-    checkpoint.write_manifest(ckpt)
+    atomic.write_manifest(ckpt)
     assert run(make_cfg(["steps=3"], cache_dir=warm_cache), str(tmp_path / "run"))["steps"] == 3
 
 
