@@ -19,7 +19,7 @@ from rlkit.evaluate import held_out
 from rlkit.guards import checked_advantages, finite
 from rlkit.logprobs import rollout_logprobs
 from rlkit.metrics import kept_metrics, mean_or_none, mismatch_metrics, samples, update_metrics, weight_metrics
-from rlkit.rewards import overlong_penalty, score, shuffled, step_reward_matrix
+from rlkit.rewards import correct, overlong_penalty, score, shuffled, step_reward_matrix
 from rlkit.state import Run
 from rlkit.types import Batch, LossInput, Rollout, UpdateStats
 
@@ -49,17 +49,16 @@ def collect(run: Run) -> tuple[Rollout, dict]:
 def make_rollout(run: Run, rows: list[dict]) -> Rollout:
     """G completions of each of this process's share of `rows`, decoded and scored."""
     parts, rt, s = run.parts, run.runtime, run.settings
-    G, timeout = s.group_size, s.score_timeout_s
-    rows = [
-        row for row in parallel.shard(rows, rt.rank, rt.parallel.world) for _ in range(G)
-    ]  # N rows, groups contiguous
+    G, timeout, mine = s.group_size, s.score_timeout_s, parallel.shard(rows, rt.rank, rt.parallel.world)
+    rows = [row for row in mine for _ in range(G)]  # N rows, groups contiguous
     with rt.timer("generate"):
         gen = parts.engine.generate([r["prompt"] for r in rows], s.max_new_tokens, s.temperature, s.top_p)
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         rewards, by_fn = score(parts.task, parts.reward_fns, s.combine, rows, texts, G, timeout)  # [N], [N, K]
+        right = correct(parts.reward_fns, rewards, by_fn).to(rt.device)  # [N] before any shuffling
         rewards = shuffled(rewards, G, s.shuffle).to(rt.device)  # [N] the control: unrelated rewards
-        r = Rollout.from_generation(gen, G, rows=rows, texts=texts, rewards=rewards, reward_parts=by_fn)
+        r = Rollout.from_generation(gen, G, rows=rows, texts=texts, rewards=rewards, reward_parts=by_fn, correct=right)
         if s.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, s.max_new_tokens, s.overlong_cache)  # [N]
         if parts.advantage.needs_step_rewards:

@@ -18,6 +18,11 @@ def std_or_none(x: torch.Tensor) -> float | None:
     return float(x.float().std()) if x.numel() > 1 else None
 
 
+def right(r: Rollout) -> torch.Tensor:
+    """Which answers are right: the rollout's `correct` (the task's score), else reward > 0.  -> [N] bool"""
+    return r.correct if r.correct is not None else r.rewards > 0
+
+
 def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
     """Reward, group, length and advantage statistics of one rollout; adv is [N, Tc]."""
     if r.rewards.numel() == 0:
@@ -25,15 +30,15 @@ def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
     rewards = r.rewards.float()  # [N]
     groups = rewards.view(-1, r.group_size)  # [P, G]
     lengths = r.lengths.float()  # [N]
-    correct = rewards > 0  # [N]
+    correct = right(r)  # [N]
     mask = r.completion_mask.bool()  # [N, Tc]
     seq_adv = seq_mean(adv, mask)[:, 0]  # [N]
     return {
         "train/reward": mean_or_none(rewards),
         "train/reward_std": std_or_none(rewards),
         "train/frac_zero_std_groups": mean_or_none(flat(groups)),
-        "train/frac_all_correct_groups": mean_or_none((groups > 0).all(1)),
-        "train/frac_all_wrong_groups": mean_or_none((groups <= 0).all(1)),
+        "train/frac_all_correct_groups": mean_or_none(correct.view(-1, r.group_size).all(1)),
+        "train/frac_all_wrong_groups": mean_or_none((~correct).view(-1, r.group_size).all(1)),
         "train/completion_len": mean_or_none(lengths),
         "train/len_correct": mean_or_none(lengths[correct]),
         "train/len_incorrect": mean_or_none(lengths[~correct]),
@@ -114,7 +119,7 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
     (split at the median length). This is where GRPO's length bias shows."""
     eff = adv * weights  # [N, Tc]
     per_seq = eff.sum(-1)  # [N]
-    correct = r.rewards > 0  # [N]
+    correct = right(r)  # [N]
     lengths = r.lengths.float()  # [N]
     short = lengths <= lengths.median()  # [N]
     mask = r.completion_mask.bool()  # [N, Tc]

@@ -97,6 +97,14 @@ def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], 
     return combine(parts, [fn.weight for fn in functions.values()], group_size, mode), parts
 
 
+def correct(functions: dict, rewards: torch.Tensor, parts: torch.Tensor | None) -> torch.Tensor:
+    """Which answers are right, whatever else the reward pays for: the first `Accuracy` term > 0
+    when the reward functions have one, else the reward > 0 (the task's own, or the combined terms
+    where none is the task's).  [N], [N, K] -> [N] bool"""
+    terms = [k for k, fn in enumerate(functions.values()) if isinstance(fn, Accuracy)]
+    return parts[:, terms[0]] > 0 if terms and parts is not None else rewards > 0
+
+
 def shuffled(rewards: torch.Tensor, group_size: int, mode: str) -> torch.Tensor:
     """The shuffled-reward control (`reward.shuffle`): `step` permutes the step's rewards across all
     its completions; `group` permutes each group's rewards among its own completions, so every

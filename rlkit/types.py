@@ -43,6 +43,7 @@ class Rollout:
     step_rewards: torch.Tensor | None = None  # [N, Tc] reward of the step ending at each token (process)
     step_mask: torch.Tensor | None = None  # [N, Tc] 1 where a step ends
     reward_parts: torch.Tensor | None = None  # [N, K] each reward function's score, before combining
+    correct: torch.Tensor | None = None  # [N] bool, the answer is right (the task's score, not the shaped reward)
     behaviour_logp: torch.Tensor | None = None  # [N, Tc] log-probs the engine sampled with (Generation.logprobs)
 
     def __post_init__(self):

@@ -100,3 +100,25 @@ def test_update_metrics_leave_out_what_no_token_or_step_measured():
     assert "train/clip_frac_high" not in update_metrics(every_row_dropped)  # missing, not 0
     skipped = UpdateStats(True, {"kl": 1.0}, 4.0, losses=[1.0], grad_norms=[1.0], value_losses=[0.5])
     assert update_metrics(skipped) == {"train/value_loss": 0.5}
+
+
+def test_right_and_wrong_are_the_tasks_score_not_the_shaped_reward():
+    """A length bonus pays a long wrong answer (reward 0.5 > 0); it still counts as wrong in
+    train/acc, the length metrics, the all-correct groups and the weight split."""
+    from rlkit.rewards import Accuracy, LengthPenalty, correct
+
+    fns = {"accuracy": Accuracy(), "length": LengthPenalty(max_chars=60, weight=-0.5)}
+    parts = torch.tensor([[1.0, 0.0], [0.0, -1.0], [0.0, 0.0], [1.0, -0.5]])  # [N, K] each term's score
+    rewards = parts @ torch.tensor([1.0, -0.5])  # [N] 1, 0.5, 0, 1.25: all but one above 0
+    assert correct(fns, rewards, parts).tolist() == [True, False, False, True]
+    assert correct({}, torch.tensor([0.0, 1.0]), None).tolist() == [False, True]  # the task's own reward
+    r = make_rollout(rewards.tolist(), G=2, lengths=[3, 9, 5, 4], T=9)
+    shaped = rollout_metrics(r, DrGRPO()(r))
+    assert shaped["train/len_incorrect"] == 5.0 and shaped["train/frac_all_correct_groups"] == 0.5  # reward > 0
+    r.correct = correct(fns, rewards, parts)
+    m = rollout_metrics(r, DrGRPO()(r))
+    assert m["train/len_incorrect"] == 7.0 and m["train/len_correct"] == 3.5
+    assert m["train/frac_all_correct_groups"] == 0.0 and m["train/frac_all_wrong_groups"] == 0.0
+    weights = SeqMeanTokenMean().token_weights(r.completion_mask)
+    w = weight_metrics(r, DrGRPO()(r), weights)
+    assert w["weight/incorrect_sum"] == pytest.approx(float((DrGRPO()(r) * weights)[1:3].sum()))
