@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+import rlkit.config  # noqa: F401  (registers `rlkit_schema`, the typed schema conf/config.yaml composes on)
 from rlkit import atomic, parallel, rundir, sweeps
 from rlkit.exits import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_STORAGE
 from rlkit.guards import NonFiniteError
