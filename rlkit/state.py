@@ -78,7 +78,7 @@ class Settings:
     top_p: float
     combine: str  # how reward terms combine (`reward.combine`)
     score_timeout_s: float
-    shuffle: str  # the shuffled-reward control: none, step or ...
+    shuffle: str  # the shuffled-reward control: none, step or group (`reward.shuffle`)
     overlong_cache: int
     epochs: int
     mini_batches: int
