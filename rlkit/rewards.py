@@ -51,11 +51,9 @@ class Feature(RewardFunction):
         self.name, self.weight = name, weight
 
     def __call__(self, row: dict, completion: str, task) -> float:
-        require(
-            task.features is not None and self.name in task.features(completion),
-            f"the task has no feature {self.name!r}",
-        )
-        return float(task.features(completion)[self.name])
+        values = task.features(completion) if task.features is not None else {}  # once per completion
+        require(self.name in values, f"the task has no feature {self.name!r}")
+        return float(values[self.name])
 
 
 class LengthPenalty(RewardFunction):
