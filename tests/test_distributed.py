@@ -156,24 +156,27 @@ def torchrun(run_dir, cache, *extra):
 def test_a_sharded_two_process_run_writes_once_and_resumes_to_the_uninterrupted_metrics(tmp_path, warm_cache):
     """parallel=shard: rank 0 alone writes; the sharded weights and Adam state go through a full
     checkpoint and back (a replicated run's resume: the kill -9 test below)."""
-    out = torchrun(tmp_path / "run", warm_cache, "steps=2", "parallel=shard")
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in lines] == [0, 1, 2]  # rank 0 alone writes
-    info = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert info["processes"] == 2 and info["parallel"] == "Sharded"
-    state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
-    assert len(state["rng_ranks"]) == 2
-    again = torchrun(tmp_path / "run", warm_cache, "steps=4", "parallel=shard")  # step 4 needs Adam's state of step 2
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("resuming from") == 2  # both ranks
-    resumed = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in resumed] == list(range(5))
-    whole = torchrun(tmp_path / "whole", warm_cache, "steps=4", "parallel=shard")
+    import shutil
+
+    args = ("steps=4", "checkpoint.every=2", "parallel=shard")
+    whole = torchrun(tmp_path / "whole", warm_cache, *args)
     assert whole.returncode == 0, whole.stderr[-3000:]
     uninterrupted = [json.loads(l) for l in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    for key in ("train/loss", "train/grad_norm", "train/kl", "train/reward"):
-        assert resumed[4][key] == pytest.approx(uninterrupted[4][key], rel=1e-4, abs=1e-7), key
+    assert [l["step"] for l in uninterrupted] == list(range(5))  # rank 0 alone writes
+    info = json.loads((tmp_path / "whole" / "run.json").read_text())
+    assert info["processes"] == 2 and info["parallel"] == "Sharded"
+    state = torch.load(tmp_path / "whole" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
+    assert len(state["rng_ranks"]) == 2
+    # the run as a kill after step 4's metrics and before its checkpoint leaves it: step 3 needs Adam's state of step 2
+    shutil.copytree(tmp_path / "whole", tmp_path / "run", ignore=shutil.ignore_patterns("step_000004"))
+    again = torchrun(tmp_path / "run", warm_cache, *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("resuming from") == 2 and "(step 2)" in again.stderr  # both ranks
+    resumed = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in resumed] == list(range(5))
+    for step in (3, 4):
+        for key in ("train/loss", "train/grad_norm", "train/kl", "train/reward"):
+            assert resumed[step][key] == pytest.approx(uninterrupted[step][key], rel=1e-4, abs=1e-7), (step, key)
 
 
 def kill_all(marker: str) -> None:
