@@ -39,12 +39,11 @@ def test_a_parallel_sweep_on_an_empty_cache_warm_starts_once_and_every_job_uses_
 
 
 @pytest.mark.slow
-def test_portable_mode_pins_avx2_and_changes_nothing_where_avx2_already_runs(tmp_path):
-    cache = tmp_path / "c"
+def test_portable_mode_pins_avx2_and_changes_nothing_where_avx2_already_runs(tmp_path, warm_cache):
     from rlkit.hardware import PORTABLE_ENV
 
-    pinned = train(tmp_path / "pinned", cache, env=PORTABLE_ENV)
-    portable = train(tmp_path / "portable", cache, "portable=true")
+    pinned = train(tmp_path / "pinned", warm_cache, env=PORTABLE_ENV)  # both from the same cached warm start
+    portable = train(tmp_path / "portable", warm_cache, "portable=true")
     assert pinned.returncode == 0 and portable.returncode == 0, (pinned.stderr[-2000:], portable.stderr[-2000:])
     assert metrics(tmp_path / "pinned") == metrics(tmp_path / "portable")
     hw = json.loads((tmp_path / "portable" / "run.json").read_text())["hardware"]

@@ -299,7 +299,7 @@ seeds: {{pilot: 2, cap: 2}}
 
 
 @pytest.mark.slow
-def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_path, warm_cache, capsys):
+def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_path, warm_cache, capsys, monkeypatch):
     folder = tmp_path / "experiments" / "tiny"
     folder.mkdir(parents=True)
     (folder / "study.yaml").write_text(TINY.format(config=json.dumps([*FAST, f"warm_start.cache_dir={warm_cache}"])))
@@ -343,19 +343,18 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
         "### Verdict, dr_grpo against grpo: " in readme and "| grpo | 2 |" in readme and done.stdout.strip() in readme
     )
     assert (folder / "results" / "train_reward.png").exists()
-    again = subprocess.run([*cmd, "--analyse-only"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and (folder / "README.md").read_text() == readme  # recomputed by one command
+    monkeypatch.chdir(tmp_path)  # the command as a user types it, in this process (its refusals and analysis)
+    assert study_main(["tiny", "--analyse-only"]) == 0 and (folder / "README.md").read_text() == readme  # one command
+    capsys.readouterr()
     # a study file changed under its results is refused, naming what changed, by a rerun and by the
     # analysis alike; nothing is lost
     declared = (folder / "study.yaml").read_text()
     (folder / "study.yaml").write_text(declared.replace("smallest_effect: 0.01", "smallest_effect: 0.02"))
-    changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert changed.returncode == 2 and "primary.smallest_effect: 0.01 -> 0.02" in changed.stderr
+    assert study_main(["tiny"]) == 2 and "primary.smallest_effect: 0.01 -> 0.02" in capsys.readouterr().err
     assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2
     assert "differs from the declaration in" in capsys.readouterr().err
     (folder / "study.yaml").write_text(declared.replace("[algo=dr_grpo]", "[algo=dr_grpo, loss.beta=0.1]"))
-    changed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert changed.returncode == 2 and "dr_grpo seed 0 was recorded with overrides" in changed.stderr
+    assert study_main(["tiny"]) == 2 and "dr_grpo seed 0 was recorded with overrides" in capsys.readouterr().err
     assert study_main([str(folder / "study.yaml"), "--analyse-only"]) == 2
     (folder / "study.yaml").write_text(
         declared.replace("smallest_effect: 0.01}", "smallest_effect: 0.01, lower: true}")
