@@ -106,7 +106,7 @@ class Critic(Protocol):
     only when the estimator `needs_critic`."""
 
     def values(self, rollout: Rollout) -> torch.Tensor: ...  # [N, Tc], no gradient
-    def update(
+    def fit(
         self, rollout: Rollout, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
     ) -> float: ...  # one optimizer step on these rows; returns the value loss
     def save(self, path) -> None: ...

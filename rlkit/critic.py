@@ -60,7 +60,7 @@ class ValueModel(Critic):
     def values(self, rollout: Rollout) -> torch.Tensor:
         return token_values(self.model, rollout)  # [N, Tc]
 
-    def update(self, rollout: Rollout, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    def fit(self, rollout: Rollout, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         values = token_values(self.model, rollout)  # [n, Tc]
         vl = value_loss(values, old_values, returns, self.value_clip)  # [n, Tc]

@@ -127,7 +127,7 @@ def update(run: Run, batch: Batch) -> UpdateStats:
                 break
             if parts.critic is not None:
                 picked = batch.rollout.select_rows(rows), batch.old_values[rows], batch.returns[rows], batch.mask[rows]
-                stats.value_losses.append(parts.critic.update(*picked))
+                stats.value_losses.append(parts.critic.fit(*picked))
         if stats.grad_norms:  # the warm-up counts updates, not skipped steps
             parts.schedule.step()
             parts.engine.load_weights(parts.policy)
