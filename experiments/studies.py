@@ -29,6 +29,7 @@ STUDIES = [
     "clip_higher_smollm2",
     "length_bias",
     "length_bias_smollm2",
+    "pass_at_k_smollm2",
 ]
 
 

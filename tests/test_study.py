@@ -221,6 +221,39 @@ def test_the_cost_to_reach_a_target_counts_runs_that_never_reach_it_at_their_end
     assert aggregate_name("reach:0.5:tokens") == "generated tokens to reach 0.5"
 
 
+def test_a_study_against_the_starting_policy_pairs_each_run_with_its_own_step_zero(tmp_path):
+    """`baseline: start`: each seed's starting policy is its step-0 evaluation held (0.3 in every
+    record here), so the primary difference is each run's final minus its start, by hand: 0.10, 0.12,
+    0.08, 0.11 -> mean 0.1025, sd 0.01708, t = 12.0 on 3 df; the learning check and the premises
+    read the first arm."""
+    spec = write_spec(
+        tmp_path,
+        arms={"t": ["algo=grpo"]},
+        baseline="start",
+        learning={"aggregate": "gain:1", "margin": 0.05},
+        premises=[{"metric": "eval/accuracy", "at_most": 0.5}],
+    )
+    recs = [rec("t", s, v) for s, v in enumerate([0.40, 0.42, 0.38, 0.41])]
+    r = analyse(spec, recs, None)
+    assert r["values"]["start"] == {s: 0.3 for s in range(4)} and r["treatments"] == ["t"]
+    d = r["diffs"]["t"]
+    assert d.n == 4 and d.diff == pytest.approx(0.1025) and d.sd == pytest.approx(0.017078, rel=1e-4)
+    assert d.p == pytest.approx(2 * stats_t_sf(0.1025 / (0.017078 / 2), 3), rel=1e-3)
+    assert r["verdicts"]["t"][0] == "reproduced (not gated)" and r["learned"] and r["held"]  # no positive control
+    assert r["learning"][0].startswith("t (arm): final minus step 0 eval/accuracy = +0.103 [+0.075, +0.130]")
+    assert "t's step-0 value eval/accuracy = 0.3 over 4 runs" in r["premises"][0]
+    assert plan(spec, recs)["arms"]["t"]["pilot_pairs"] == 2  # the pilot's seeds (2), paired with their start
+    assert "baseline `start` (each seed's starting policy" in report(spec, "s", tmp_path, recs, None)
+    with pytest.raises(StudyError, match="baseline 'start' needs at least one arm and no arm or control named"):
+        write_spec(tmp_path, arms={"start": ["algo=grpo"]}, baseline="start")
+
+
+def stats_t_sf(t: float, df: int) -> float:
+    from scipy.stats import t as student
+
+    return float(student.sf(t, df))
+
+
 def test_a_baseline_that_does_not_learn_gives_no_verdict_and_controls_stand_beside_it(tmp_path):
     spec = write_spec(
         tmp_path, learning={"aggregate": "gain:2", "margin": 0.05}, controls={"c": ["reward.shuffle=group"]}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rlkit import atomic
 from rlkit.analysis import stats
-from rlkit.analysis.study import Stopped, StudySpec, changes, declared, every_arm, overrides, with_defaults
+from rlkit.analysis.study import Stopped, StudySpec, changes, declared, every_arm, learner, overrides, with_defaults
 from rlkit.analysis.verdict import pair, per_run, runs_by_arm
 from rlkit.exits import EXIT_BAD_INPUT
 
@@ -133,7 +133,7 @@ def check_logged(spec: StudySpec, records: list) -> None:
         e.metric in logged.get(a, ()) for a in ([e.arm] if e.arm else spec.arms) if e.arm or a != spec.baseline
     ):
         missing.append(spec.engagement.metric)
-    missing += [p.metric for p in spec.premises if p.metric not in logged.get(p.arm or spec.baseline, ())]
+    missing += [p.metric for p in spec.premises if p.metric not in logged.get(p.arm or learner(spec), ())]
     if missing:
         raise Stopped(
             EXIT_BAD_INPUT,
@@ -145,7 +145,7 @@ def plan(spec: StudySpec, records: list) -> dict:
     """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
     declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
     pilot = [(head, rows) for head, rows in records if head["seed"] < spec.seeds.pilot]  # a replan gives the same plan
-    values = per_run(runs_by_arm(pilot)[0], spec.primary, spec.unfinished)
+    values = per_run(runs_by_arm(pilot, spec)[0], spec.primary, spec.unfinished)
     treatments = [a for a in spec.arms if a != spec.baseline]
     alpha = spec.alpha / len(treatments)
     out = {

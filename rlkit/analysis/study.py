@@ -74,7 +74,7 @@ class Premise(MetricSpec):
     in one arm; outside its bound, no verdict is given."""
 
     aggregate: str = "start"
-    arm: str | None = None  # None = the baseline
+    arm: str | None = None  # None = the baseline (`learner`)
     at_least: float | None = None
     at_most: float | None = None
     why: str = ""  # the assumption in words, for the README
@@ -87,6 +87,15 @@ class Seeds:
     pilot_confidence: float = 0.8  # the pilot's sd is raised to this upper confidence limit before planning
 
 
+START = "start"  # the baseline that is each seed's starting policy: its step-0 evaluation, held (`learner`)
+
+
+def learner(spec) -> str:
+    """The arm whose learning the gates check: the baseline, or with `baseline: start` the first
+    arm (whose runs also give the starting policy's values: every arm of a seed starts from it)."""
+    return next(iter(spec.arms)) if spec.baseline == START else spec.baseline
+
+
 @dataclass
 class StudySpec:
     claim: str = MISSING  # the published claim under test, in one or two sentences
@@ -95,7 +104,7 @@ class StudySpec:
         default_factory=list
     )  # overrides every arm shares (the testbed), e.g. [+experiment=wide_testbed]
     arms: dict = MISSING  # arm name -> its own overrides; arms differ in one mechanism
-    baseline: str = MISSING  # the arm the others are compared with
+    baseline: str = MISSING  # the arm the others are compared with; `start`: each arm against its starting policy
     primary: Primary = MISSING
     secondary: list = field(default_factory=list)  # MetricSpec entries, Holm-corrected together
     engagement: Engagement | None = None  # a metric that shows the treatment acted
@@ -134,9 +143,7 @@ def load_spec(path: Path) -> StudySpec:
         spec = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, OSError, yaml.YAMLError) as e:
         raise StudyError(f"{path} cannot be read as a study file: {e}".strip()) from None
-    problems = []
-    if spec.baseline not in spec.arms or len(spec.arms) < 2:
-        problems.append(f"baseline {spec.baseline!r} must be one of at least two arms (arms: {', '.join(spec.arms)})")
+    problems = baseline_problems(spec)
     if spec.primary.direction not in ("higher", "lower", "equal"):
         problems.append(f"primary.direction must be higher, lower or equal, got {spec.primary.direction!r}")
     if not spec.primary.smallest_effect > 0:
@@ -162,6 +169,17 @@ def load_spec(path: Path) -> StudySpec:
     if problems:
         raise StudyError(f"{path}: " + "; ".join(problems))
     return spec
+
+
+def baseline_problems(spec: StudySpec) -> list[str]:
+    """The baseline is one of at least two arms, or `start` beside at least one arm (none named so)."""
+    if spec.baseline == START:
+        if spec.arms and START not in every_arm(spec):
+            return []
+        return [f"baseline {START!r} needs at least one arm and no arm or control named {START!r}"]
+    if spec.baseline in spec.arms and len(spec.arms) >= 2:
+        return []
+    return [f"baseline {spec.baseline!r} must be one of at least two arms, or {START!r} (arms: {', '.join(spec.arms)})"]
 
 
 def gate_problems(spec: StudySpec) -> list[str]:

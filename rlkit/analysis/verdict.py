@@ -11,18 +11,18 @@ from pathlib import Path
 from rlkit import atomic
 from rlkit.analysis import stats
 from rlkit.analysis.compare import fmt, plot
-from rlkit.analysis.runs import aggregate, aggregate_name, from_rows, lower_is_better
+from rlkit.analysis.runs import RunHistory, aggregate, aggregate_name, from_rows, lower_is_better
 from rlkit.analysis.stats import mean_ci
-from rlkit.analysis.study import learning_margin
+from rlkit.analysis.study import START, learner, learning_margin
 from rlkit.sinks import flatten
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
 
 
-def runs_by_arm(records: list) -> tuple[dict, list[str]]:
-    """{arm: {seed: RunHistory}} of every recorded run, and a line naming each that stopped before
-    its last step (it diverged or crashed): such a run is counted by the study's `unfinished` rule
-    in `per_run`, never dropped."""
+def runs_by_arm(records: list, spec) -> tuple[dict, list[str]]:
+    """{arm: {seed: RunHistory}} of every recorded run (with `baseline: start` also the starting
+    policy's, `with_start`), and a line naming each that stopped before its last step (it diverged
+    or crashed): such a run is counted by the study's `unfinished` rule in `per_run`, never dropped."""
     arms, unfinished = {}, []
     for head, rows in records:
         run = from_rows(
@@ -31,7 +31,21 @@ def runs_by_arm(records: list) -> tuple[dict, list[str]]:
         arms.setdefault(head["arm"], {})[head["seed"]] = run
         if not head["finished"]:
             unfinished.append(f"{run.name}: stopped at step {run.last_step} (exit {head['exit']})")
-    return arms, unfinished
+    return with_start(spec, arms), unfinished
+
+
+def starting_policy(run: RunHistory) -> RunHistory:
+    """`run`'s starting policy as a run that never moved: each metric `run` logged at step 0, held at
+    that value at every step `run` logged it (its gain is 0, its last and best are the start)."""
+    held = {m: [(s, h[0][1]) for s, _ in h] for m, h in run.history.items() if h and h[0][0] == 0}
+    return RunHistory(f"start of {run.name}", run.keys, held)
+
+
+def with_start(spec, arms: dict) -> dict:
+    """`arms`, with `baseline: start` also the starting-policy arm, one run per seed of `learner`'s."""
+    if spec.baseline != START:
+        return arms
+    return {**arms, START: {s: starting_policy(r) for s, r in arms.get(learner(spec), {}).items()}}
 
 
 def per_run(arms: dict, m, rule: str = "last") -> dict:
@@ -166,19 +180,24 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
     if L is None:
         return None, []
     values, name = per_run(arms, L, spec.unfinished), f"{aggregate_name(L.aggregate)} {L.metric}"
-    margin = learning_margin(spec)
-    gains = list(values.get(spec.baseline, {}).values())
+    margin, base = learning_margin(spec), learner(spec)
+    gains = list(values.get(base, {}).values())
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
     learned = d.n >= 2 and not d.zero_variance and d.interval[0] > margin
     lines = [
-        f"{spec.baseline} (baseline): {name} = {d.describe()}, needs its interval above {margin:g}: "
-        + ("passed" if learned else "FAILED, the baseline did not learn by the margin")
+        f"{base} ({'baseline' if base == spec.baseline else 'arm'}): {name} = {d.describe()}, needs its interval "
+        f"above {margin:g}: "
+        + (
+            "passed"
+            if learned
+            else f"FAILED, {'the baseline' if base == spec.baseline else base} did not learn by the margin"
+        )
     ]
     for control in spec.controls:
         own = list(values.get(control, {}).values())
         lines.append(
-            f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {spec.baseline} - {control}: "
-            f"{stats.paired(*reversed(pair(values, spec.baseline, control)), spec.alpha).describe()}"
+            f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {base} - {control}: "
+            f"{stats.paired(*reversed(pair(values, base, control)), spec.alpha).describe()}"
         )
     return learned, lines
 
@@ -205,7 +224,7 @@ def premises(spec, arms: dict) -> tuple[bool | None, list[str]]:
         return None, ["no premise declared"]
     held, lines = True, []
     for p in spec.premises:
-        arm = p.arm or spec.baseline
+        arm = p.arm or learner(spec)
         v = list(per_run(arms, p, spec.unfinished).get(arm, {}).values())
         mean = sum(v) / len(v) if v else float("nan")
         ok = (mean >= p.at_least) if p.at_least is not None else (mean <= p.at_most)
@@ -222,7 +241,7 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
     """Every number of the report, from the records alone; `robust` False leaves out the secondary
     lines' bootstrap statistics (the slow part), for a summary that needs only the verdicts."""
     treatments = [a for a in spec.arms if a != spec.baseline]
-    arms, unfinished = runs_by_arm(records)
+    arms, unfinished = runs_by_arm(records, spec)
     values = per_run(arms, spec.primary, spec.unfinished)
     diffs = {arm: stats.paired(*pair(values, spec.baseline, arm), alpha=spec.alpha) for arm in treatments}
     p_sig = dict(zip(treatments, stats.holm([d.p for d in diffs.values()])))
@@ -314,7 +333,7 @@ def gate_words(spec) -> list[str]:
         else "- Positive control: none declared (so no equivalence is reported; other verdicts are not gated)"
     ]
     lines += [
-        f"- Premise: {p.why or p.metric}: {p.arm or spec.baseline}'s {aggregate_name(p.aggregate)} {p.metric} "
+        f"- Premise: {p.why or p.metric}: {p.arm or learner(spec)}'s {aggregate_name(p.aggregate)} {p.metric} "
         + (f">= {p.at_least:g}" if p.at_least is not None else f"<= {p.at_most:g}")
         for p in spec.premises
     ] or ["- Premises: none declared"]
@@ -332,7 +351,9 @@ def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
     )
     lines = [
         f"- Claim: {spec.claim.strip()} ({spec.source})",
-        f"- Arms: {arms}; baseline `{spec.baseline}`; shared overrides: {' '.join(spec.config) or 'none'}",
+        f"- Arms: {arms}; baseline `{spec.baseline}`"
+        + (" (each seed's starting policy: its step-0 evaluation, held)" if spec.baseline == START else "")
+        + f"; shared overrides: {' '.join(spec.config) or 'none'}",
         f"- Primary: {aggregate_name(P.aggregate)} of {P.metric} per run; each treatment {effect} against the "
         f"baseline; alpha {spec.alpha:g} for significance and for TOST at the smallest effect (each Holm across "
         f"{treatments} treatment(s)), power {spec.power:g}; outcomes: reproduced, negligible, equivalent, refuted, "
@@ -344,7 +365,8 @@ def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
     if spec.learning is not None:
         L = spec.learning
         lines.append(
-            f"- Learning check: the baseline's {aggregate_name(L.aggregate)} {L.metric} per run exceeds "
+            f"- Learning check: {'the baseline' if spec.baseline != START else learner(spec)}'s "
+            f"{aggregate_name(L.aggregate)} {L.metric} per run exceeds "
             f"{learning_margin(spec):g} "
             f"with its whole {1 - spec.alpha:.0%} interval; failing it, no verdict"
         )
