@@ -184,14 +184,10 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
     gains = list(values.get(base, {}).values())
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
     learned = d.n >= 2 and not d.zero_variance and d.interval[0] > margin
+    role, who = ("baseline", "the baseline") if base == spec.baseline else ("arm", base)
     lines = [
-        f"{base} ({'baseline' if base == spec.baseline else 'arm'}): {name} = {d.describe()}, needs its interval "
-        f"above {margin:g}: "
-        + (
-            "passed"
-            if learned
-            else f"FAILED, {'the baseline' if base == spec.baseline else base} did not learn by the margin"
-        )
+        f"{base} ({role}): {name} = {d.describe()}, needs its interval above {margin:g}: "
+        + ("passed" if learned else f"FAILED, {who} did not learn by the margin")
     ]
     for control in spec.controls:
         own = list(values.get(control, {}).values())
