@@ -13,9 +13,8 @@ from rlkit.session import run
 
 
 @pytest.mark.slow
-def test_a_full_disk_during_a_checkpoint_exits_74_and_leaves_no_partial_files(tmp_path, tiny_disk):
-    cache = tmp_path / "c"
-    out = train(tiny_disk / "run", cache, "steps=2")
+def test_a_full_disk_during_a_checkpoint_exits_74_and_leaves_no_partial_files(tiny_disk, warm_cache):
+    out = train(tiny_disk / "run", warm_cache, "steps=2")
     assert out.returncode == EXIT_STORAGE, out.stderr[-3000:]
     assert "could not write the step-1 checkpoint" in out.stderr and "no space left" in out.stderr
     assert "Traceback" not in out.stderr
