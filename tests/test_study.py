@@ -242,6 +242,7 @@ def test_a_study_against_the_starting_policy_pairs_each_run_with_its_own_step_ze
     assert r["verdicts"]["t"][0] == "reproduced (not gated)" and r["learned"] and r["held"]  # no positive control
     assert r["learning"][0].startswith("t (arm): final minus step 0 eval/accuracy = +0.103 [+0.075, +0.130]")
     assert "t's step-0 value eval/accuracy = 0.3 over 4 runs" in r["premises"][0]
+    check_logged(spec, recs)  # the premise's metric is looked for in the first arm's runs (start has none)
     assert plan(spec, recs)["arms"]["t"]["pilot_pairs"] == 2  # the pilot's seeds (2), paired with their start
     assert "baseline `start` (each seed's starting policy" in report(spec, "s", tmp_path, recs, None)
     with pytest.raises(StudyError, match="baseline 'start' needs at least one arm and no arm or control named"):
