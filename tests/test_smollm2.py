@@ -230,6 +230,7 @@ def test_the_math_task_scores_real_output_with_math_verify_and_the_format_reward
         "samples_every=1",
         "checkpoint.every=0",
         "eval.max_new_tokens=1",  # the held-out evaluation is not what this test reads
+        *LORA,  # nor the update: adapters keep its step and final checkpoint small
         task=("task=math", f"task.train={data}", f"task.eval={data}"),
     )
     cfg.task.prompt_template = "Compute {question}. End your reply with the answer in LaTeX as $\\boxed{{...}}$."
