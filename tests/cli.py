@@ -32,10 +32,14 @@ def train(run_dir, cache, *extra, env=None) -> subprocess.CompletedProcess:
     return run_cli(command(run_dir, cache, *extra), env=env, exe=())
 
 
-def sweep(sweep_dir, cache, *overrides) -> subprocess.CompletedProcess:
-    """A fast Hydra multirun (`-m`) of the overrides, two jobs at a time (joblib), to its end."""
-    jobs = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep_dir}"]
-    return run_cli(["-m", *FAST, *overrides, *jobs, f"warm_start.cache_dir={cache}"], timeout=600)
+def sweep(sweep_dir, cache, *overrides, jobs: int = 2) -> subprocess.CompletedProcess:
+    """A fast Hydra multirun (`-m`) of the overrides to its end: `jobs` at a time (joblib), or with
+    `jobs=1` one after another in the command's process (Hydra's basic launcher, the default)."""
+    launcher = ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}"] if jobs > 1 else []
+    return run_cli(
+        ["-m", *FAST, *overrides, *launcher, f"hydra.sweep.dir={sweep_dir}", f"warm_start.cache_dir={cache}"],
+        timeout=600,
+    )
 
 
 def metrics(run_dir) -> list[dict]:

@@ -11,8 +11,8 @@ import wandb
 from hydra import compose, initialize_config_module
 from matplotlib.image import imread
 
-from cli import metrics, run_cli, sweep
-from conftest import FAST, make_cfg
+from cli import metrics, sweep
+from conftest import make_cfg
 from helpers import write_jsonl
 from rlkit import sweeps
 from rlkit.analysis.compare import main as compare_main
@@ -24,7 +24,7 @@ from wandb_files import read_records
 
 @pytest.mark.slow
 def test_multirun_over_two_variants_writes_two_run_directories(tmp_path, warm_cache):
-    out = sweep(tmp_path / "sweep", warm_cache, "advantage=grpo,rloo", "seed=0")
+    out = sweep(tmp_path / "sweep", warm_cache, "advantage=grpo,rloo", "seed=0", jobs=1)  # the default launcher
     assert out.returncode == 0, out.stderr[-3000:]
     runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.jsonl"))
     assert [p.name[:16] for p in runs] == ["0_advantage=grpo", "1_advantage=rloo"]  # named by overrides
@@ -63,14 +63,7 @@ def test_a_sweep_runs_every_job_records_each_failure_and_compare_names_them(tmp_
 
 @pytest.mark.slow
 def test_a_failed_job_of_a_sweep_on_the_basic_launcher_keeps_its_folder_and_the_next_job_runs(tmp_path, warm_cache):
-    args = [
-        "-m",
-        *FAST,
-        "optim.lr=-1,1e-4",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        f"warm_start.cache_dir={warm_cache}",
-    ]
-    out = run_cli(args)
+    out = sweep(tmp_path / "sweep", warm_cache, "optim.lr=-1,1e-4", jobs=1)
     assert out.returncode == EXIT_BAD_INPUT, out.stderr[-3000:]  # every failure was bad input
     assert "rlkit: 1 of 2 jobs failed, the others ran: job 0 in" in out.stderr
     folders = job_folders(tmp_path / "sweep")
