@@ -22,7 +22,7 @@ def sequence_returns(r: Rollout) -> torch.Tensor:
     reward.  -> [N]"""
     ret = r.rewards.float() + r.shaping.float()  # [N]
     if r.kl_penalty is not None:
-        ret = ret - (r.kl_penalty * r.completion_mask).sum(-1)  # [N]
+        ret = ret - (r.kl_penalty * r.action_mask).sum(-1)  # [N] over the model's own tokens
     return ret
 
 
@@ -32,7 +32,7 @@ def grouped(r: Rollout) -> torch.Tensor:
 
 
 def per_token(adv: torch.Tensor, r: Rollout) -> torch.Tensor:
-    return adv.reshape(-1, 1) * r.completion_mask  # [N, Tc]
+    return adv.reshape(-1, 1) * r.action_mask  # [N, Tc] 0 on an environment's tokens
 
 
 class GRPO(AdvantageEstimator):
@@ -98,23 +98,34 @@ class GAE(AdvantageEstimator):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
 
     def __call__(self, r: Rollout, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """In a multi-turn episode the steps are the model's own tokens: an environment's tokens are
+        skipped (V_{t+1} is the value at the model's next token), so the advantages are those of the
+        model's tokens laid side by side."""
         require(values is not None, "advantage=gae needs critic values")
-        mask = r.completion_mask.float()  # [N, Tc]
+        mask = r.action_mask.float()  # [N, Tc]
+        order = torch.sort((mask == 0).to(torch.int8), dim=1, stable=True).indices  # [N, Tc] model tokens first
+        kl = None if r.kl_penalty is None else r.kl_penalty.gather(1, order)  # [N, Tc]
+        reward = r.rewards.float() + r.shaping.float()  # [N] on the model's last token
+        adv, returns = self.packed(values.gather(1, order), mask.gather(1, order), reward, kl)  # [N, Tc] each
+        adv, returns = (torch.zeros_like(x).scatter(1, order, x) for x in (adv, returns))  # back in place
+        return (masked_whiten(adv, mask) if self.whiten else adv * mask), returns
+
+    def packed(self, values, mask, reward, kl) -> tuple[torch.Tensor, torch.Tensor]:
+        """GAE of rows whose steps are left-aligned (`mask` [N, Tc] ones then zeros).  -> A, A + V [N, Tc]"""
         T = mask.shape[1]
         values = values * mask  # [N, Tc] V beyond the end is 0
         rewards = torch.zeros_like(mask)  # [N, Tc]
-        last = (r.lengths - 1).clamp(min=0)  # [N]
-        rewards[torch.arange(len(last)), last] = r.rewards.float() + r.shaping.float()
-        if r.kl_penalty is not None:
-            rewards = rewards - r.kl_penalty * mask
+        last = (mask.sum(-1).long() - 1).clamp(min=0)  # [N]
+        rewards[torch.arange(len(last)), last] = reward
+        if kl is not None:
+            rewards = rewards - kl * mask
         next_v = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # [N, Tc]
         delta = (rewards + self.gamma * next_v - values) * mask  # [N, Tc]
         t = torch.arange(T, dtype=mask.dtype, device=mask.device)
         gap = t[None, :] - t[:, None]  # [Tc, Tc] s - t
         discount = torch.where(gap >= 0, (self.gamma * self.lam) ** gap.clamp(min=0), torch.zeros_like(gap))
         adv = delta @ discount.T  # [N, Tc] A_t = sum_s (gamma lam)^(s-t) delta_s
-        returns = (adv + values) * mask  # [N, Tc]
-        return (masked_whiten(adv, mask) if self.whiten else adv * mask), returns
+        return adv, (adv + values) * mask
 
 
 class ProcessSupervision(AdvantageEstimator):
@@ -138,4 +149,4 @@ class ProcessSupervision(AdvantageEstimator):
         var = (((raw - mean) * steps) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)  # [P, 1] sample var
         norm = torch.where(var > 0, (raw - mean) / (var.sqrt() + self.eps), torch.zeros_like(raw)) * steps
         norm = norm.view(N, T)  # [N, Tc]
-        return norm.flip(-1).cumsum(-1).flip(-1) * r.completion_mask  # [N, Tc] sum over steps ending at or after t
+        return norm.flip(-1).cumsum(-1).flip(-1) * r.action_mask  # [N, Tc] sum over steps ending at or after t

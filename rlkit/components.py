@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from rlkit.types import Generation, LossInput, Rollout
+from rlkit.types import Episodes, Generation, LossInput, Rollout
 
 
 class AdvantageEstimator(Protocol):
@@ -123,13 +123,21 @@ class Engine(Protocol):
     `load_weights(policy)` is called after every update; `latest()` is the engine held-out
     evaluation uses (the trainer's current weights); `state_dict()` is what a checkpoint keeps of
     it (weights that are not the policy's own, e.g. a lagging copy); `lag` the updates between the
-    weights it samples with and the trainer's (None: it does not lag)."""
+    weights it samples with and the trainer's (None: it does not lag). An engine that runs
+    multi-turn episodes says `multi_turn = True` (optional; absent: False): its `generate` then also
+    takes `episodes` (one per prompt) and runs them turn by turn, `max_new_tokens` the budget of the
+    whole trajectory, the environment's tokens included."""
 
     exact_logprobs: bool = True
     lag: int | None = None
 
     def generate(
-        self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        episodes: Episodes | None = None,
     ) -> Generation: ...
     def load_weights(self, policy: torch.nn.Module) -> None: ...
 
@@ -141,6 +149,22 @@ class Engine(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class Environment(Protocol):
+    """Group `environment`: what answers the model between its turns. `start(row)` begins one
+    episode for a task row: an object whose `reply(text)` takes the model's turn (decoded) and
+    returns the chat message to append (`{"role": ..., "content": ...}`, rendered through the
+    model's chat template) or None to end the episode. The reward is the task's, over the whole
+    trajectory. `max_turns` 1 is a single-turn task: the engine never asks. `metrics(episodes,
+    correct)`: the environment's metrics of the episodes of one step or evaluation (`correct` [N])."""
+
+    max_turns: int = 1
+    stop_strings: tuple = ()  # strings that end a model turn besides the EOS token
+    instructions: str = ""  # put before every task prompt (e.g. how to call a tool); "" = none
+
+    def start(self, row: dict): ...
+    def metrics(self, episodes: list, correct: torch.Tensor) -> dict: ...
 
 
 class Model(Protocol):

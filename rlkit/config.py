@@ -96,6 +96,7 @@ class RLKitConfig:
     correction: Any = None  # off-policy correction of the policy loss (group `correction`)
     critic: Any = None  # value model, built only when the estimator needs one (group `critic`)
     engine: Any = None  # generation engine for training and evaluation (group `engine`)
+    environment: Any = None  # what answers the model between turns: single_turn | calculator (group `environment`)
     task: Any = None  # task: data and reward (group `task`)
     model: Any = None  # policy model (group `model`)
     logger: Any = None  # metrics sink (group `logger`)
@@ -128,7 +129,18 @@ def short_dirname(overrides: str, limit: int = 96) -> str:
 
 OmegaConf.register_new_resolver("rlkit_dirname", short_dirname, replace=True)
 
-GROUPS = ("advantage", "aggregator", "sampler", "loss", "correction", "engine", "task", "model", "logger")
+GROUPS = (
+    "advantage",
+    "aggregator",
+    "sampler",
+    "loss",
+    "correction",
+    "engine",
+    "environment",
+    "task",
+    "model",
+    "logger",
+)
 
 
 def chosen(cfg: DictConfig, key: str) -> bool:

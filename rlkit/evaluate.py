@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from rlkit.environments import episodes, generate
 from rlkit.logprobs import token_logprobs
 from rlkit.metrics import by_difficulty, feature_metrics, hardest_third
 from rlkit.metrics import mean_or_none as mean
@@ -23,6 +24,7 @@ class Answers(NamedTuple):
     lengths: torch.Tensor  # [E] completion tokens
     truncated: torch.Tensor  # [E] bool, no EOS within the budget
     texts: list[str]  # E
+    episodes: tuple | list = ()  # E multi-turn episodes as they ended; empty for a single-turn environment
 
 
 def answers(
@@ -34,18 +36,22 @@ def answers(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    environment=None,
 ) -> Answers:
-    """Each row's completion, scored by the task's reward."""
-    correct, lengths, truncated, every = [], [], [], []
+    """Each row's completion (with a multi-turn `environment`, its whole episode), scored by the
+    task's reward."""
+    correct, lengths, truncated, every, played = [], [], [], [], []
     for start in tqdm(range(0, len(rows_all), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
         rows = rows_all[start : start + batch_size]
-        gen = engine.generate([r["prompt"] for r in rows], max_new_tokens, temperature, top_p)
+        ep = None if environment is None else episodes(environment, rows)
+        gen = generate(engine, [r["prompt"] for r in rows], max_new_tokens, temperature, top_p, ep)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         correct.append(task.score(rows, texts) > 0)  # [n]
         lengths.append(gen.completion_mask.sum(-1).float())  # [n]
         truncated.append(gen.truncated)  # [n]
         every += texts
-    return Answers(torch.cat(correct), torch.cat(lengths), torch.cat(truncated), every)
+        played += [] if ep is None else ep.each
+    return Answers(torch.cat(correct), torch.cat(lengths), torch.cat(truncated), every, played)
 
 
 def presence(task, rows: list[dict], texts: list[str]) -> torch.Tensor:
@@ -86,6 +92,7 @@ def evaluate(
     seed: int = 0,
     pass_k=(),
     policy=None,
+    environment=None,
 ) -> dict:
     """Greedy accuracy, the share of answers that hold the right answer anywhere (`eval/present`,
     the task's lenient score) and mean completion length (tokens) of correct and incorrect answers;
@@ -94,24 +101,36 @@ def evaluate(
     own generator state (`seed`, the same at every evaluation), so it neither moves training's
     random stream nor differs between runs. Each accuracy is also given per difficulty level
     (`_d<k>`) and over the hardest third of levels (`_hard`).
-    With the `policy`, also its entropy on a fixed probe set (`probe_entropy`)."""
+    With the `policy`, also its entropy on a fixed probe set (`probe_entropy`); with a multi-turn
+    `environment`, each answer is an episode and the environment's metrics of the greedy episodes
+    come too (`eval/tool_use`, ...)."""
     rows_all = task.eval.to_list()
-    ok, lens, _, texts = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens)  # [E], [E], [E], E
-    present = presence(task, rows_all, texts)  # [E]
+    greedy = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens, environment=environment)
+    out = greedy_metrics(task, rows_all, greedy, environment)
+    out.update(probe_entropy(policy, tokenizer, task, batch_size))
+    if samples:
+        options = batch_size, max_new_tokens, temperature, top_p, seed, pass_k, environment
+        out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, *options))
+    return out
+
+
+def greedy_metrics(task, rows: list[dict], greedy: Answers, environment) -> dict:
+    """Accuracy, presence, lengths and features of the greedy answers, and the environment's
+    metrics of their episodes."""
+    ok, lens, texts = greedy.correct, greedy.lengths, greedy.texts  # [E], [E], E
+    present = presence(task, rows, texts)  # [E]
     out = {
         "eval/accuracy": mean(ok.float()),
         "eval/present": mean(present),
-        **by_difficulty(rows_all, present, "eval/present"),
+        **by_difficulty(rows, present, "eval/present"),
         "eval/len_correct": mean(lens[ok]),
         "eval/len_incorrect": mean(lens[~ok]),
-        **by_difficulty(rows_all, ok.float(), "eval/acc"),
-        **hardest_third(rows_all, ok.float(), "eval/acc"),
-        **feature_metrics(task, rows_all, texts, "eval", hard=True),
+        **by_difficulty(rows, ok.float(), "eval/acc"),
+        **hardest_third(rows, ok.float(), "eval/acc"),
+        **feature_metrics(task, rows, texts, "eval", hard=True),
     }
-    out.update(probe_entropy(policy, tokenizer, task, batch_size))
-    if samples:
-        options = batch_size, max_new_tokens, temperature, top_p, seed, pass_k
-        out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, *options))
+    if greedy.episodes:
+        out.update({f"eval/{k}": v for k, v in environment.metrics(greedy.episodes, ok).items()})
     return out
 
 
@@ -126,12 +145,23 @@ def pass_at_k(n: int, correct: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def sampled_accuracy(
-    engine, tokenizer, task, rows: list[dict], n: int, batch_size, max_new_tokens, temperature, top_p, seed, pass_k=()
+    engine,
+    tokenizer,
+    task,
+    rows: list[dict],
+    n: int,
+    batch_size,
+    max_new_tokens,
+    temperature,
+    top_p,
+    seed,
+    pass_k=(),
+    environment=None,
 ) -> dict:
     """`eval/mean@n` and `eval/pass@k` for each k of `pass_k` (per difficulty level and over the
     hardest third too), from n completions per prompt sampled at `temperature`, drawn from the
     generator state `seed`. mean@n is the unbiased pass@1."""
-    options = batch_size, max_new_tokens, temperature, top_p, seed
+    options = batch_size, max_new_tokens, temperature, top_p, seed, environment
     hits = sampled_answers(engine, tokenizer, task, rows, n, *options).correct.float().view(len(rows), n)  # [E, n]
     out = {}
     for name, per_prompt in (
@@ -145,18 +175,30 @@ def sampled_accuracy(
 
 
 def sampled_answers(
-    engine, tokenizer, task, rows: list[dict], n: int, batch_size, max_new_tokens, temperature, top_p, seed
+    engine,
+    tokenizer,
+    task,
+    rows: list[dict],
+    n: int,
+    batch_size,
+    max_new_tokens,
+    temperature,
+    top_p,
+    seed,
+    environment=None,
 ) -> Answers:
     """n completions per prompt sampled at `temperature` from the generator state `seed`, each
     prompt's n together (E * n rows)."""
     repeated = [r for r in rows for _ in range(n)]
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p)
+        return answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p, environment)
 
 
 def held_out(run) -> dict:
     """`evaluate` of a run (`rlkit.state.Run`) as it stands: the engine's latest weights, the run's
     evaluation settings, the policy's probe entropy."""
     p = run.parts
-    return evaluate(p.engine.latest(), p.tokenizer, p.task, **run.settings.evaluation, policy=p.policy)
+    return evaluate(
+        p.engine.latest(), p.tokenizer, p.task, **run.settings.evaluation, policy=p.policy, environment=p.environment
+    )

@@ -10,21 +10,18 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers.utils import logging as hf_logging
 
 from rlkit import parallel
 from rlkit.batching import micro_batches, mini_batches, over_micro_batches
 from rlkit.critic import explained_variance
+from rlkit.environments import episodes, generate
 from rlkit.evaluate import held_out
 from rlkit.guards import checked_advantages, finite
 from rlkit.logprobs import rollout_logprobs
-from rlkit.metrics import kept_metrics, mean_or_none, mismatch_metrics, samples, update_metrics, weight_metrics
+from rlkit.metrics import generated_metrics, kept_metrics, mismatch_metrics, samples, update_metrics, weight_metrics
 from rlkit.rewards import correct, overlong_penalty, score, shuffled, step_reward_matrix
 from rlkit.state import Run
 from rlkit.types import Batch, LossInput, Rollout, UpdateStats
-
-hf_logging.disable_progress_bar()
-
 
 # ---- 1. collect: P prompts from the sampler, G completions each from the engine, scored -------------------------
 
@@ -41,8 +38,7 @@ def collect(run: Run) -> tuple[Rollout, dict]:
     rollout, metrics = run.parts.sampler.sample(make)
     if run.parts.engine.lag is not None:  # updates between the sampled weights and the trainer's
         metrics["offpolicy/lag"] = run.parts.engine.lag
-    metrics["train/gen_tokens"] = sum(int(r.completion_mask.sum()) for r in generated)
-    metrics["train/reward_all"] = mean_or_none(torch.cat([r.rewards for r in generated]))  # kept or not
+    metrics.update(generated_metrics(run.parts.environment, generated))  # tokens, reward, episodes: kept or not
     return rollout, metrics
 
 
@@ -51,14 +47,16 @@ def make_rollout(run: Run, rows: list[dict]) -> Rollout:
     parts, rt, s = run.parts, run.runtime, run.settings
     G, timeout, mine = s.group_size, s.score_timeout_s, parallel.shard(rows, rt.rank, rt.parallel.world)
     rows = [row for row in mine for _ in range(G)]  # N rows, groups contiguous
+    ep = episodes(parts.environment, rows)  # one multi-turn episode per row, run by the engine; None: single-turn
     with rt.timer("generate"):
-        gen = parts.engine.generate([r["prompt"] for r in rows], s.max_new_tokens, s.temperature, s.top_p)
+        gen = generate(parts.engine, [r["prompt"] for r in rows], s.max_new_tokens, s.temperature, s.top_p, ep)
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         rewards, by_fn = score(parts.task, parts.reward_fns, s.combine, rows, texts, G, timeout)  # [N], [N, K]
         right = correct(parts.reward_fns, rewards, by_fn).to(rt.device)  # [N] before any shuffling
         rewards = shuffled(rewards, G, s.shuffle).to(rt.device)  # [N] the control: unrelated rewards
-        r = Rollout.from_generation(gen, G, rows=rows, texts=texts, rewards=rewards, reward_parts=by_fn, correct=right)
+        kept = dict(rows=rows, texts=texts, episodes=[] if ep is None else ep.each)
+        r = Rollout.from_generation(gen, G, rewards=rewards, reward_parts=by_fn, correct=right, **kept)
         if s.overlong_cache:
             r.shaping = overlong_penalty(r.lengths, s.max_new_tokens, s.overlong_cache)  # [N]
         if parts.advantage.needs_step_rewards:
@@ -204,7 +202,7 @@ def measure(run: Run, step: int, rollout: Rollout, batch: Batch | None, stats: U
     elif rollout.num_rows:  # under data parallel, dynamic sampling may keep nothing on this rank alone
         metrics.update(kept_metrics(parts.task, list(parts.reward_fns), rollout, batch.adv))
         band = parts.correction.c_min, parts.correction.c_max  # the engine's numbers vs the trainer's
-        metrics.update(mismatch_metrics(batch.old_logp, rollout.behaviour_logp, rollout.completion_mask, *band))
+        metrics.update(mismatch_metrics(batch.old_logp, rollout.behaviour_logp, rollout.action_mask, *band))
     if batch is not None and not stats.skipped:
         weights = parallel.global_weights(parts.aggregator, batch.mask)  # [N, Tc] every rank takes part
         if rollout.num_rows:

@@ -205,7 +205,7 @@ class Regularised(PolicyLoss):
         return self.beta * kl_estimate(old_logp, ref_logp, self.kl_estimator)  # [N, Tc]
 
     def train_mask(self, rollout: Rollout) -> torch.Tensor:
-        mask = rollout.completion_mask.float()  # [N, Tc]
+        mask = rollout.action_mask.float()  # [N, Tc] the model's own tokens
         return mask * (~rollout.truncated)[:, None] if self.drop_truncated else mask
 
 

@@ -31,7 +31,7 @@ def rollout_metrics(r: Rollout, adv: torch.Tensor) -> dict:
     groups = rewards.view(-1, r.group_size)  # [P, G]
     lengths = r.lengths.float()  # [N]
     correct = right(r)  # [N]
-    mask = r.completion_mask.bool()  # [N, Tc]
+    mask = r.action_mask.bool()  # [N, Tc] the model's tokens
     seq_adv = seq_mean(adv, mask)[:, 0]  # [N]
     return {
         "train/reward": mean_or_none(rewards),
@@ -122,7 +122,7 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
     correct = right(r)  # [N]
     lengths = r.lengths.float()  # [N]
     short = lengths <= lengths.median()  # [N]
-    mask = r.completion_mask.bool()  # [N, Tc]
+    mask = r.action_mask.bool()  # [N, Tc] the model's tokens
     magnitude = eff.abs().sum(-1)  # [N]
 
     def per_token(rows: torch.Tensor) -> float | None:  # mean |weight| over the tokens of `rows` [N] bool
@@ -142,7 +142,7 @@ def weight_metrics(r: Rollout, adv: torch.Tensor, weights: torch.Tensor) -> dict
 
 def samples(r: Rollout, adv: torch.Tensor, per_group: int = 2, groups: int = 8) -> list[dict]:
     """A few completions with their rewards and mean advantages, for a table of samples."""
-    mask = r.completion_mask.bool()  # [N, Tc]
+    mask = r.action_mask.bool()  # [N, Tc] the model's tokens
     seq_adv = seq_mean(adv, mask)[:, 0]  # [N]
     rows = [g * r.group_size + i for g in range(min(groups, r.num_groups)) for i in range(min(per_group, r.group_size))]
     return [
@@ -185,6 +185,22 @@ def mismatch_metrics(
         "offpolicy/abs_log_ratio": float(log_r.abs().mean()),
         "offpolicy/outside_frac": float(((r < c_min) | (r > hi)).float().mean()),
     }
+
+
+def generated_metrics(env, rollouts: list[Rollout]) -> dict:
+    """What the step generated, kept or not: its completion tokens (`train/gen_tokens`), its mean
+    reward (`train/reward_all`) and, in a multi-turn environment, the model's own tokens per episode
+    (`env/model_tokens`) and the environment's metrics of every episode (`env/...`)."""
+    out = {
+        "train/gen_tokens": sum(int(r.completion_mask.sum()) for r in rollouts),
+        "train/reward_all": mean_or_none(torch.cat([r.rewards for r in rollouts])),
+    }
+    played = [e for r in rollouts for e in r.episodes]
+    if played:
+        correct = torch.cat([right(r) for r in rollouts])  # [N]
+        out["env/model_tokens"] = float(torch.cat([r.action_mask.sum(-1) for r in rollouts]).float().mean())
+        out.update({f"env/{k}": v for k, v in env.metrics(played, correct).items()})
+    return out
 
 
 def update_metrics(stats: UpdateStats) -> dict:

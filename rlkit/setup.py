@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from datasets import Dataset
 from omegaconf import DictConfig
+from transformers.utils import logging as hf_logging
 
 from rlkit import atomic, checkpoint, parallel, rundir
 from rlkit.components import (
@@ -22,6 +23,7 @@ from rlkit.components import (
     Correction,
     Critic,
     Engine,
+    Environment,
     MetricSink,
     Model,
     PolicyLoss,
@@ -41,6 +43,8 @@ from rlkit.state import Parts, Progress, Run, Runtime, Settings
 from rlkit.warm_start import applies as warm_start_applies
 from rlkit.warm_start import warm_start
 
+hf_logging.disable_progress_bar()
+
 
 @dataclass(frozen=True)
 class Validated:
@@ -51,6 +55,7 @@ class Validated:
     aggregator: Aggregator
     loss: PolicyLoss
     correction: Correction
+    environment: Environment
     reward_fns: dict  # name -> RewardFunction
     parallel: parallel.OneProcess  # how the processes share the model
 
@@ -73,6 +78,7 @@ def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Validated:
         aggregator=build(cfg, "aggregator", Aggregator),
         loss=build(cfg, "loss", PolicyLoss),
         correction=build(cfg, "correction", Correction),
+        environment=build(cfg, "environment", Environment),
         reward_fns={name: build(cfg, f"reward.functions.{name}", RewardFunction) for name in cfg.reward.functions},
         parallel=parallel.choose(cfg.parallel, rank, world),
     )
@@ -89,6 +95,11 @@ def check_built(cfg: DictConfig, c: Validated) -> None:
     check(c.aggregator, Aggregator, "aggregator")
     check(c.loss, PolicyLoss, "loss")
     check(c.correction, Correction, "correction")
+    check(c.environment, Environment, "environment")
+    require(
+        c.environment.max_turns == 1 or getattr(target_class(cfg, "engine"), "multi_turn", False),
+        f"environment={cfg.environment._target_} runs multi-turn episodes, which engine={cfg.engine._target_} cannot",
+    )
     for name, fn in c.reward_fns.items():
         check(fn, RewardFunction, f"reward.functions.{name}")
         weight = fn.weight
@@ -175,6 +186,7 @@ def build_parts(cfg: DictConfig, c: Validated, device: torch.device, stop) -> tu
         aggregator=c.aggregator,
         loss=c.loss,
         correction=c.correction,
+        environment=c.environment,
         reward_fns=c.reward_fns,
         sampler=sampler,
         optimizer=optimizer,

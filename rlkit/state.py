@@ -19,6 +19,7 @@ from rlkit.components import (
     Correction,
     Critic,
     Engine,
+    Environment,
     MetricSink,
     Model,
     PolicyLoss,
@@ -61,6 +62,7 @@ class Parts:
     aggregator: Aggregator
     loss: PolicyLoss
     correction: Correction
+    environment: Environment
     reward_fns: dict[str, RewardFunction]  # {} = the task's own reward
     sampler: Sampler
     optimizer: torch.optim.Optimizer

@@ -3,7 +3,10 @@
 a policy loss sees of one micro-batch (`LossInput`) and what the update did (`UpdateStats`).
 
 A `Rollout` holds P prompt groups of G completions each (N = P*G rows, group i is rows
-i*G..(i+1)*G-1): left-padded prompts, right-padded completions and their masks.
+i*G..(i+1)*G-1): left-padded prompts, right-padded completions and their masks. In a multi-turn
+episode the completion is the whole trajectory after the prompt, the model's turns and the
+environment's replies in order; `model_mask` tells them apart, and `action_mask` (the model's
+tokens) is what log-probs, losses and the aggregators' lengths count.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ class Generation(NamedTuple):
     truncated: torch.Tensor  # [N] bool, no EOS within the budget
     logprobs: torch.Tensor | None = None  # [N, Tc] the engine's own log-probs of the sampled tokens (at the
     # sampling temperature); None: an engine whose numbers are the trainer's
+    model_mask: torch.Tensor | None = None  # [N, Tc] 1 on the tokens the model wrote, 0 on an environment's
+    # (multi-turn episodes); None: every completion token is the model's
+
+
+class Episodes(NamedTuple):
+    """The multi-turn episodes of one generate call: one per prompt, each with `reply(text)` (the
+    model's turn, decoded -> the chat message to append, or None to end the episode), and the
+    environment's budget and stop strings."""
+
+    each: list  # N episode objects
+    max_turns: int  # model turns at most; an episode still going after the last one is truncated
+    stop_strings: tuple  # strings that end a model turn besides EOS (e.g. a tool call's closing marker)
 
 
 @dataclass
@@ -45,6 +60,8 @@ class Rollout:
     reward_parts: torch.Tensor | None = None  # [N, K] each reward function's score, before combining
     correct: torch.Tensor | None = None  # [N] bool, the answer is right (the task's score, not the shaped reward)
     behaviour_logp: torch.Tensor | None = None  # [N, Tc] log-probs the engine sampled with (Generation.logprobs)
+    model_mask: torch.Tensor | None = None  # [N, Tc] 1 on the model's own tokens (Generation.model_mask); None: all
+    episodes: list = field(default_factory=list)  # N multi-turn episodes as they ended; [] for a single-turn task
 
     def __post_init__(self):
         if self.shaping is None and self.rewards is not None:
@@ -53,7 +70,7 @@ class Rollout:
     @classmethod
     def from_generation(cls, gen: Generation, group_size: int, **fields) -> "Rollout":
         """A rollout of an engine's output; the engine's own log-probs become `behaviour_logp`."""
-        return cls(*gen[:5], group_size, behaviour_logp=gen.logprobs, **fields)
+        return cls(*gen[:5], group_size, behaviour_logp=gen.logprobs, model_mask=gen.model_mask, **fields)
 
     @property
     def num_rows(self) -> int:
@@ -65,7 +82,12 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(-1)  # [N]
+        return self.completion_mask.sum(-1)  # [N] the whole trajectory, environment tokens included
+
+    @property
+    def action_mask(self) -> torch.Tensor:
+        """1 on the tokens the model wrote: what log-probs, losses and their lengths count.  [N, Tc]"""
+        return self.completion_mask if self.model_mask is None else self.completion_mask * self.model_mask
 
     def select_rows(self, idx: torch.Tensor) -> "Rollout":
         """The rows `idx` (tensors indexed, lists picked); whole groups keep group bookkeeping valid."""

@@ -249,3 +249,31 @@ def file_task(tmp_path, train, evals=GOOD):
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+class Echo:
+    """A multi-turn plugin environment for the character testbed (loaded through
+    `environment._target_`, like any plugin): a model turn ends at EOS or at `;`, and each turn but
+    the last is answered with `reply` (characters of the testbed's alphabet)."""
+
+    stop_strings = (";",)
+    instructions = ""
+
+    def __init__(self, max_turns: int = 3, reply: str = "9="):
+        self.max_turns, self.reply = max_turns, reply
+
+    def start(self, row: dict) -> "EchoEpisode":
+        return EchoEpisode(self.max_turns, self.reply)
+
+    def metrics(self, episodes: list, correct) -> dict:
+        return {"turns": sum(e.turns for e in episodes) / len(episodes)}
+
+
+class EchoEpisode:
+    def __init__(self, max_turns: int, reply: str):
+        self.max_turns, self.text, self.turns, self.seen = max_turns, reply, 0, []
+
+    def reply(self, text: str) -> dict | None:
+        self.turns += 1
+        self.seen.append(text)
+        return None if self.turns >= self.max_turns else {"role": "tool", "content": self.text}

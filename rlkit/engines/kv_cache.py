@@ -9,7 +9,8 @@ import torch
 from rlkit import parallel
 from rlkit.components import Engine
 from rlkit.engines.decoders import HFForward, decoder
-from rlkit.types import Generation
+from rlkit.engines.turns import Turns
+from rlkit.types import Episodes, Generation
 
 
 class KVCache(Engine):
@@ -21,19 +22,32 @@ class KVCache(Engine):
     `load_weights`."""
 
     exact_logprobs = True
+    multi_turn = True
 
     def __init__(self, policy: torch.nn.Module, tokenizer, min_new_tokens: int = 0):
         self.policy, self.tokenizer, self.min_new_tokens = policy, tokenizer, min_new_tokens
 
     def generate(
-        self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        episodes: Episodes | None = None,
     ) -> Generation:
         was_training = self.policy.training
         self.policy.eval()
         try:
             with parallel.full_weights(self.policy):  # a sharded policy is gathered once for the whole call
                 return generate(
-                    self.policy, self.tokenizer, prompts, max_new_tokens, temperature, top_p, self.min_new_tokens
+                    self.policy,
+                    self.tokenizer,
+                    prompts,
+                    max_new_tokens,
+                    temperature,
+                    top_p,
+                    self.min_new_tokens,
+                    episodes=episodes,
                 )
         finally:
             self.policy.train(was_training)
@@ -88,36 +102,36 @@ def generate(
     min_new_tokens: int = 0,
     fast: bool = True,
     logprobs: bool = False,
+    episodes: Episodes | None = None,
 ) -> Generation:
-    """Sample one completion per prompt with a KV cache (a prompt given several times is prefilled
-    once and its cache copied to each of its rows); each row stops at its EOS (never before
-    `min_new_tokens`) and leaves the batch soon after (once an eighth of the rows present have
-    finished). temperature 0 is greedy. `fast=False` forces the model's own forward
-    (`rlkit.engines.decoders.HFForward`) for architectures the Llama decoder supports. `logprobs`:
-    also return each sampled token's log-probability under softmax(logits / temperature), the
-    distribution the trainer's log-probs measure (top-p not applied)."""
+    """Sample one completion per prompt with a KV cache (a repeated prompt is prefilled once and its
+    cache copied to its rows); each row stops at its EOS (never before `min_new_tokens`) and leaves
+    the batch once an eighth of the rows present have finished. temperature 0 is greedy. `fast=False`
+    forces the model's own forward (`decoders.HFForward`). `logprobs`: also each sampled token's
+    log-prob under softmax(logits / temperature), which the trainer's log-probs measure (no top-p).
+    `episodes`: one multi-turn episode per prompt (`turns.Turns`) in a budget of `max_new_tokens`."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, fast)  # [N, V], [N, Tp]
     out = Sampled(prompt_ids, max_new_tokens, pad, logprobs)
+    turns = None if episodes is None else Turns(tokenizer, episodes, out.tokens)
     rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)  # [n] the original rows still in the batch
     fin = torch.zeros_like(rows, dtype=torch.bool)  # [n] finished rows still in the batch
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
         tok = torch.where(fin, pad, _sample(logits, temperature, top_p))  # [n]
+        if turns is not None:
+            tok = turns.force(t, rows, tok, fin)  # [n] the environment's queued tokens replace samples
         out.record(t, rows, tok, fin, logits, temperature)
-        fin = fin | (tok == eos)
+        fin = fin | (tok == eos) if turns is None else turns.advance(t, rows, tok, fin, eos)  # [n]
         n_fin = int(fin.sum())
         if n_fin == len(rows):
             break
         if n_fin and n_fin * 8 >= len(rows):  # drop the finished rows from the batch
-            out.done[rows[fin]] = True
-            keep = (~fin).nonzero().squeeze(-1)  # [n']
-            dec.keep(keep)
-            rows, tok, fin = rows[keep], tok[keep], fin[keep]
+            rows, tok, fin = out.drop_finished(dec, rows, tok, fin)
         logits = dec.step(tok)  # [n, V]
     out.done[rows[fin]] = True
-    return out.generation(prompt_ids, prompt_mask)
+    return out.generation(prompt_ids, prompt_mask, turns)
 
 
 class Sampled:
@@ -139,13 +153,19 @@ class Sampled:
             picked = torch.log_softmax(logits / temperature, -1).gather(-1, tok[:, None])[:, 0]  # [n]
             self.lp[rows, t] = torch.where(fin, 0.0, picked)
 
-    def generation(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Generation:
+    def drop_finished(self, dec, rows: torch.Tensor, tok: torch.Tensor, fin: torch.Tensor) -> tuple:
+        """Mark the finished rows done and take them out of the decoder's batch.  -> rows, tok, fin [n']"""
+        self.done[rows[fin]] = True
+        keep = (~fin).nonzero().squeeze(-1)  # [n']
+        dec.keep(keep)
+        return rows[keep], tok[keep], fin[keep]
+
+    def generation(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, turns: Turns | None) -> Generation:
+        """What was sampled, cut to the steps taken; with `turns`, the model's tokens marked and the
+        episodes that the turn or token budget cut reported as truncated."""
         T, lp = self.T, self.lp
-        return Generation(
-            prompt_ids,
-            prompt_mask,
-            self.tokens[:, :T],
-            self.alive[:, :T],
-            ~self.done,
-            None if lp is None else lp[:, :T],
-        )
+        model = None if turns is None else turns.model[:, :T]  # [N, T]
+        if lp is not None:
+            lp = lp[:, :T] if model is None else lp[:, :T] * model  # [N, T] 0 on the environment's tokens
+        truncated = ~self.done if turns is None else ~self.done | turns.cut  # [N]
+        return Generation(prompt_ids, prompt_mask, self.tokens[:, :T], self.alive[:, :T], truncated, lp, model)

@@ -12,7 +12,7 @@ import torch
 from rlkit import parallel
 from rlkit.engines.kv_cache import KVCache, generate
 from rlkit.refusals import require
-from rlkit.types import Generation
+from rlkit.types import Episodes, Generation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +57,12 @@ class OffPolicy(KVCache):
         self._latest = KVCache(policy, tokenizer, min_new_tokens)
 
     def generate(
-        self, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        episodes: Episodes | None = None,
     ) -> Generation:
         return generate(
             self.copy,
@@ -68,6 +73,7 @@ class OffPolicy(KVCache):
             top_p,
             self.min_new_tokens,
             logprobs=temperature > 0,
+            episodes=episodes,
         )
 
     def load_weights(self, policy: torch.nn.Module) -> None:

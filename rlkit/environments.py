@@ -1,0 +1,117 @@
+"""Environments (group `environment`): what answers the model between its turns. `single_turn`
+ends every episode after the model's first turn (today's one prompt, one completion); `calculator`
+answers each JSON tool call with the calculator's result."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from rlkit.components import Environment
+from rlkit.refusals import require
+from rlkit.tools.calculator import calculate
+from rlkit.types import Episodes
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def episodes(env: Environment, rows: list[dict]) -> Episodes | None:
+    """One episode per row, or None for a single-turn environment (the engine's one-turn path)."""
+    if env.max_turns == 1:
+        return None
+    return Episodes([env.start(r) for r in rows], env.max_turns, tuple(env.stop_strings))
+
+
+def generate(engine, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float, ep: Episodes | None):
+    """The engine's generation: the single-turn call every engine takes, or a multi-turn one with `ep`."""
+    if ep is None:
+        return engine.generate(prompts, max_new_tokens, temperature, top_p)
+    return engine.generate(prompts, max_new_tokens, temperature, top_p, episodes=ep)
+
+
+class SingleTurn(Environment):
+    """One model turn per episode: the prompt, the completion, the task's reward."""
+
+    def start(self, row: dict):
+        return None
+
+    def metrics(self, episodes: list, correct: torch.Tensor) -> dict:
+        return {}
+
+
+class Calculator(Environment):
+    """A calculator tool. The model calls it in the chat-template tool format,
+    `<tool_call>{"name": "calculator", "arguments": {"expression": "12*(3+4)"}}</tool_call>`; the
+    turn ends at `</tool_call>` and the result (or an `error: ...` string) comes back as a message
+    of `role`. A turn without a tool call is the final answer and ends the episode. `max_turns`
+    counts the model's turns, the answer included."""
+
+    stop_strings = ("</tool_call>",)
+
+    def __init__(self, max_turns: int = 3, role: str = "tool", instructions: str = ""):
+        require(
+            isinstance(max_turns, int) and max_turns >= 2,
+            f"environment.max_turns must be an integer >= 2 (a tool call, then the answer), got {max_turns}",
+        )
+        self.max_turns, self.role, self.instructions = max_turns, role, instructions
+
+    def start(self, row: dict) -> "ToolEpisode":
+        return ToolEpisode(self.role)
+
+    def metrics(self, episodes: list, correct: torch.Tensor) -> dict:
+        return tool_metrics(episodes, correct)
+
+
+class ToolEpisode:
+    """One calculator episode: the model's turns, its tool calls and the calls that failed."""
+
+    def __init__(self, role: str):
+        self.role, self.turns, self.calls, self.errors = role, 0, 0, 0
+
+    def reply(self, text: str) -> dict | None:
+        self.turns += 1
+        call = TOOL_CALL.findall(text)
+        if not call:
+            return None  # the final answer
+        self.calls += 1
+        result = run_call(call[-1])
+        self.errors += result.startswith("error")
+        return {"role": self.role, "content": result}
+
+
+def run_call(body: str) -> str:
+    """The result of one tool call's JSON body, or an error string saying what was wrong with it."""
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        return f"error: the tool call is not JSON ({str(e)[:80]})"
+    if not isinstance(call, dict) or call.get("name") != "calculator":
+        return 'error: the only tool is "calculator"'
+    args = call.get("arguments")
+    expression = args.get("expression") if isinstance(args, dict) else None
+    if not isinstance(expression, str):
+        return 'error: the calculator takes {"expression": "<numbers and + - * / ( )>"}'
+    return calculate(expression)
+
+
+def tool_metrics(episodes: list, correct: torch.Tensor) -> dict:
+    """Turns, tool calls and errors per episode, the share of episodes that called the tool, and the
+    accuracy of the episodes with and without a call (None where there are none)."""
+    turns = torch.tensor([e.turns for e in episodes], dtype=torch.float)  # [N]
+    calls = torch.tensor([e.calls for e in episodes], dtype=torch.float)  # [N]
+    errors = torch.tensor([e.errors for e in episodes], dtype=torch.float)  # [N]
+    used, correct = calls > 0, correct.cpu().float()  # [N] each
+
+    def mean(x: torch.Tensor) -> float | None:
+        return float(x.mean()) if x.numel() else None
+
+    return {
+        "env/turns": mean(turns),
+        "env/tool_calls": mean(calls),
+        "env/tool_errors": mean(errors),
+        "env/tool_use": mean(used.float()),
+        "env/accuracy_tool": mean(correct[used]),
+        "env/accuracy_no_tool": mean(correct[~used]),
+    }
