@@ -161,7 +161,7 @@ class Environment(Protocol):
 
     max_turns: int = 1
     stop_strings: tuple = ()  # strings that end a model turn besides the EOS token
-    instructions: str = ""  # put before every task prompt (e.g. how to call a tool); "" = none
+    preamble: tuple = ()  # chat messages before every task prompt (a system prompt, an example call); () = none
 
     def start(self, row: dict): ...
     def metrics(self, episodes: list, correct: torch.Tensor) -> dict: ...

@@ -46,22 +46,31 @@ class Calculator(Environment):
     `<tool_call>{"name": "calculator", "arguments": {"expression": "12*(3+4)"}}</tool_call>`; the
     turn ends at `</tool_call>` and the result (or an `error: ...` string) comes back as a message
     of `role`. A turn without a tool call is the final answer and ends the episode. `max_turns`
-    counts the model's turns, the answer included."""
+    counts the model's turns, the answer included. `preamble`: chat messages put before every task
+    prompt (e.g. a system prompt and an example exchange that shows one call)."""
 
     stop_strings = ("</tool_call>",)
 
-    def __init__(self, max_turns: int = 3, role: str = "tool", instructions: str = ""):
+    def __init__(self, max_turns: int = 3, role: str = "tool", preamble: list = ()):
         require(
             isinstance(max_turns, int) and max_turns >= 2,
             f"environment.max_turns must be an integer >= 2 (a tool call, then the answer), got {max_turns}",
         )
-        self.max_turns, self.role, self.instructions = max_turns, role, instructions
+        self.max_turns, self.role, self.preamble = max_turns, role, chat_messages(preamble)
 
     def start(self, row: dict) -> "ToolEpisode":
         return ToolEpisode(self.role)
 
     def metrics(self, episodes: list, correct: torch.Tensor) -> dict:
         return tool_metrics(episodes, correct)
+
+
+def chat_messages(messages) -> tuple:
+    """`environment.preamble` as plain chat messages, each with a string `role` and `content`."""
+    out = tuple({k: m.get(k) for k in ("role", "content")} if hasattr(m, "get") else {} for m in messages)
+    bad = [i for i, m in enumerate(out) if not all(isinstance(m.get(k), str) for k in ("role", "content"))]
+    require(not bad, f"environment.preamble: messages {bad} need a string role and content")
+    return out
 
 
 class ToolEpisode:
@@ -108,10 +117,10 @@ def tool_metrics(episodes: list, correct: torch.Tensor) -> dict:
         return float(x.mean()) if x.numel() else None
 
     return {
-        "env/turns": mean(turns),
-        "env/tool_calls": mean(calls),
-        "env/tool_errors": mean(errors),
-        "env/tool_use": mean(used.float()),
-        "env/accuracy_tool": mean(correct[used]),
-        "env/accuracy_no_tool": mean(correct[~used]),
+        "turns": mean(turns),
+        "tool_calls": mean(calls),
+        "tool_errors": mean(errors),
+        "tool_use": mean(used.float()),
+        "accuracy_tool": mean(correct[used]),
+        "accuracy_no_tool": mean(correct[~used]),
     }

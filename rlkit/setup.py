@@ -4,6 +4,7 @@ a warm start, resume and the first evaluation. `setup` returns the `Run` the loo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -116,27 +117,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int = 1) -> tuple:
+def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int = 1, preamble: tuple = ()) -> tuple:
     """The task, the model component, the warm-started policy (on the CPU) and its tokenizer; every
     prompt checked against the tokenizer and the context, and the rollout's size against the memory
-    of `device` (each of `world` processes holding its share). Returns (task, model, policy,
-    tokenizer, warm-start info)."""
+    of `device` (each of `world` processes holding its share); each prompt after the environment's
+    `preamble` messages. Returns (task, model, policy, tokenizer, warm-start info)."""
     task = build(cfg, "task", Task)
     task.check_splits()
     # a warm-started policy starts from warm_start.seed, so every RL seed shares it
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
     model = build(cfg, "model", Model)
     policy, tokenizer = model.build(task.alphabet, init_seed)
-    if model.format_prompt(tokenizer, "1") != "1":  # e.g. a chat template: format every prompt once, keeping
-        task.train, task.eval = (  # the task's own (its demonstrations read it)
-            Dataset.from_list(
-                [
-                    {**r, "prompt": model.format_prompt(tokenizer, r["prompt"]), "task_prompt": r["prompt"]}
-                    for r in split
-                ]
-            )
-            for split in (task.train, task.eval)
-        )
+    format_prompts(task, model, tokenizer, preamble)
     splits = {"train": task.train, "eval": task.eval}
     check_encodable(tokenizer, splits)
     check_context(tokenizer, policy, splits, cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
@@ -154,9 +146,33 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     return task, model, policy, tokenizer, warm
 
 
+def format_prompts(task: Task, model: Model, tokenizer, preamble: tuple) -> None:
+    """Every prompt formatted once for the model (e.g. its chat template), after the `preamble` chat
+    messages when there are any, keeping the task's own as `task_prompt` (its demonstrations read it)."""
+    if preamble:
+        require(
+            getattr(tokenizer, "chat_template", None),
+            "environment.preamble holds chat messages, which need a model with a chat template",
+        )
+
+        def formatted(prompt: str) -> str:
+            chat = [*preamble, {"role": "user", "content": prompt}]
+            return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    elif model.format_prompt(tokenizer, "1") != "1":
+        formatted = functools.partial(model.format_prompt, tokenizer)
+    else:
+        return
+    task.train, task.eval = (
+        Dataset.from_list([{**r, "prompt": formatted(r["prompt"]), "task_prompt": r["prompt"]} for r in split])
+        for split in (task.train, task.eval)
+    )
+
+
 def build_parts(cfg: DictConfig, c: Validated, device: torch.device, stop) -> tuple[Parts, dict]:
     """Everything the loop uses, built once; returns the parts and the warm start's info."""
-    task, model, policy, tokenizer, warm = build_task_and_model(cfg, stop, device, c.parallel.world)
+    task, model, policy, tokenizer, warm = build_task_and_model(
+        cfg, stop, device, c.parallel.world, c.environment.preamble
+    )
     policy.to(device)
     ref = model.reference(policy) if c.loss.beta > 0 else None
     # wrapped after the reference copy and before the optimizer, which then holds what this process owns

@@ -257,7 +257,7 @@ class Echo:
     the last is answered with `reply` (characters of the testbed's alphabet)."""
 
     stop_strings = (";",)
-    instructions = ""
+    preamble = ()
 
     def __init__(self, max_turns: int = 3, reply: str = "9="):
         self.max_turns, self.reply = max_turns, reply
@@ -277,3 +277,32 @@ class EchoEpisode:
         self.turns += 1
         self.seen.append(text)
         return None if self.turns >= self.max_turns else {"role": "tool", "content": self.text}
+
+
+def reprefilled(model, tok, prompt: str, budget: int, env) -> list[int]:
+    """The trajectory of one greedy episode of `env` with no cache kept across turns: each model turn
+    starts from a fresh prefill of the whole history (prompt, earlier turns, the environment's
+    replies), then decodes with transformers' own cache until the turn ends."""
+    import torch
+
+    from rlkit.engines.turns import reply_ids
+
+    history, out, episode = tok(prompt)["input_ids"], [], env.start({"prompt": prompt})
+    while len(out) < budget:
+        turn, ended, at_eos = [], False, False
+        with torch.no_grad():
+            step = model(input_ids=torch.tensor([history]), use_cache=True)  # the history, prefilled afresh
+            while len(out) < budget and not ended:
+                nxt = int(step.logits[0, -1].argmax())
+                turn, out = turn + [nxt], out + [nxt]
+                at_eos = nxt == tok.eos_token_id
+                ended = at_eos or any(s in tok.decode(turn) for s in env.stop_strings)
+                step = model(input_ids=torch.tensor([[nxt]]), past_key_values=step.past_key_values, use_cache=True)
+        if not ended:
+            break
+        message = episode.reply(tok.decode(turn, skip_special_tokens=True))
+        ids = [] if message is None else reply_ids(tok, message, at_eos)
+        if message is None or episode.turns >= env.max_turns or len(out) + len(ids) >= budget:
+            break
+        history, out = history + turn + ids, out + ids
+    return out

@@ -3,9 +3,13 @@
 import time
 from fractions import Fraction
 
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlkit.environments import Calculator, tool_metrics
+from rlkit.refusals import ConfigError
 from rlkit.tools.calculator import MAX_CHARS, calculate
 
 
@@ -40,7 +44,7 @@ def test_hostile_input_gets_an_error_string():
         start = time.perf_counter()
         answer = calculate(text)
         assert answer.startswith("error: "), (text, answer)
-        assert time.perf_counter() - start < 0.05
+        assert time.perf_counter() - start < 1.0  # microseconds in fact; a second only catches a hang
 
 
 integers = st.integers(min_value=0, max_value=999)
@@ -67,3 +71,69 @@ def test_any_text_gets_a_number_or_an_error(text):
     answer = calculate(text)
     if not answer.startswith("error: "):
         Fraction(answer)  # a number
+
+
+def call(body: str) -> str:
+    return f"Let me compute. <tool_call>{body}</tool_call>"
+
+
+def test_an_episode_answers_a_tool_call_and_ends_at_a_turn_without_one():
+    ep = Calculator().start({"prompt": "What is 12 + 34?"})
+    assert ep.reply(call('{"name": "calculator", "arguments": {"expression": "12 + 34"}}')) == {
+        "role": "tool",
+        "content": "46",
+    }
+    assert ep.reply("The answer is 46.") is None
+    assert (ep.turns, ep.calls, ep.errors) == (2, 1, 0)
+
+
+def test_hostile_tool_calls_get_an_error_string_never_an_exception_or_a_hang():
+    hostile = [
+        "not json",
+        "[" * 100_000,  # nesting past the JSON parser's recursion limit
+        '{"name": "calculator", "arguments": {"expression": "' + "9" * 1_000_000 + '"}}',
+        '{"name": "calculator", "arguments": {"expression": "' + "(" * 5000 + '1"}}',
+        '{"name": "calculator", "arguments": {"expression": "999999999999**99"}}',
+        '{"name": "calculator", "arguments": {"expression": 12}}',
+        '{"name": "calculator", "arguments": "12 + 34"}',
+        '{"name": "calculator"}',
+        '{"name": "shell", "arguments": {"command": "rm -rf /"}}',
+        '{"name": "calculator", "arguments": {"expression": "__import__(\'os\').system(\'ls\')"}}',
+        "[1, 2]",
+        "null",
+    ]
+    ep = Calculator().start({})
+    for body in hostile:
+        start = time.perf_counter()
+        message = ep.reply(call(body))
+        assert message["role"] == "tool" and message["content"].startswith("error: "), (body[:40], message)
+        assert time.perf_counter() - start < 1.0
+    assert ep.calls == ep.errors == len(hostile)
+
+
+def test_the_calculator_refuses_a_turn_budget_without_room_and_malformed_preambles():
+    with pytest.raises(ConfigError, match="max_turns"):
+        Calculator(max_turns=1)
+    with pytest.raises(ConfigError, match="max_turns"):
+        Calculator(max_turns=float("inf"))
+    with pytest.raises(ConfigError, match=r"messages \[1\]"):
+        Calculator(preamble=[{"role": "system", "content": "hi"}, {"role": "user"}])
+    assert Calculator(preamble=[{"role": "system", "content": "hi"}]).preamble == ({"role": "system", "content": "hi"},)
+
+
+def test_tool_metrics_by_hand():
+    played = [Calculator().start({}) for _ in range(4)]
+    for ep, text in zip(
+        played, [call('{"name": "calculator", "arguments": {"expression": "1+1"}}'), "2", call("x"), "3"]
+    ):
+        ep.reply(text)
+    played[0].reply("The answer is 2.")
+    m = tool_metrics(played, torch.tensor([True, True, False, False]))
+    assert m == {
+        "turns": 5 / 4,
+        "tool_calls": 2 / 4,
+        "tool_errors": 1 / 4,
+        "tool_use": 2 / 4,
+        "accuracy_tool": 1 / 2,  # episodes 0 (right) and 2 (wrong) called it
+        "accuracy_no_tool": 1 / 2,
+    }

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from conftest import make_cfg
-from helpers import Echo
+from helpers import Echo, reprefilled
 from rlkit.advantages import GAE
 from rlkit.aggregators import SeqMeanTokenMean, SeqMeanTokenSum, TokenMean
 from rlkit.engines.kv_cache import generate
-from rlkit.engines.turns import reply_ids
 from rlkit.environments import SingleTurn, episodes
 from rlkit.logprobs import token_logprobs
 from rlkit.losses import PPOClip
@@ -78,21 +77,9 @@ def test_the_environments_tokens_are_its_replies_right_after_each_turn_and_never
 def test_kv_cache_kept_across_turns_gives_the_tokens_of_re_prefilling_the_history(model_tok):
     model, tok = model_tok
     gen, _ = play(model, tok, PROMPTS, budget=24, temperature=0)
-    eos = tok.eos_token_id
     for i, p in enumerate(PROMPTS):
-        seq = tok(p, return_tensors="pt")["input_ids"][0].tolist()  # unpadded, no cache
-        out, turn, turns = [], [], 0
-        while len(out) < 24:
-            nxt = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())  # the whole history each time
-            seq, out, turn = seq + [nxt], out + [nxt], turn + [nxt]
-            if nxt == eos or ";" in tok.decode(turn):
-                turns += 1
-                ids = reply_ids(tok, {"role": "tool", "content": "9="}, nxt == eos)
-                if turns >= 3 or len(out) + len(ids) >= 24:
-                    break
-                seq, out, turn = seq + ids, out + ids, []
         n = int(gen.completion_mask[i].sum())
-        assert gen.completion_ids[i, :n].tolist() == out, (p, out)
+        assert gen.completion_ids[i, :n].tolist() == reprefilled(model, tok, p, 24, Echo(3)), p
 
 
 def test_two_turn_log_probs_equal_a_plain_forward_over_the_whole_conversation(model_tok):

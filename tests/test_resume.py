@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cli import command, metrics, train, wait_for
+from cli import TESTS, command, metrics, train, wait_for
 from conftest import make_cfg
 from rlkit import atomic, checkpoint
 from rlkit.checkpoint import check_resume
@@ -44,11 +44,16 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+MULTI_TURN = ["++environment._target_=helpers.Echo", "++environment.max_turns=3", "rollout.max_new_tokens=24"]
+
+
 @pytest.mark.slow
-def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache):
-    args = ["steps=14", "checkpoint.every=2", "eval.every=3"]
+@pytest.mark.parametrize("episodes", [[], MULTI_TURN], ids=["single_turn", "multi_turn"])
+def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path, warm_cache, episodes):
+    args = ["steps=14", "checkpoint.every=2", "eval.every=3", *episodes]
     run(make_cfg(args, cache_dir=warm_cache), str(tmp_path / "ref"))  # uninterrupted, in this process: the same numbers
-    proc = subprocess.Popen(command(tmp_path / "run", warm_cache, *args), stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": TESTS}  # the plugin environment importable, as in the test's process
+    proc = subprocess.Popen(command(tmp_path / "run", warm_cache, *args), stderr=subprocess.PIPE, text=True, env=env)
     wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_000004").exists(), proc)
     proc.kill()
     assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished

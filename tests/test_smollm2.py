@@ -12,9 +12,12 @@ from hydra import compose, initialize_config_module
 
 from cli import metrics  # without the timing keys
 from conftest import make_cfg
+from helpers import reprefilled
 from rlkit.batching import micro_batches, over_micro_batches
 from rlkit.config import build
 from rlkit.engines.kv_cache import generate
+from rlkit.engines.turns import reply_ids
+from rlkit.environments import episodes
 from rlkit.logprobs import rollout_logprobs, token_logprobs
 from rlkit.preflight import check_encodable
 from rlkit.session import run
@@ -259,3 +262,41 @@ def test_the_graded_testbed_calibrates_on_the_real_model(tmp_path):
     for stats in levels.values():
         assert 0 <= stats["pass@1"] <= stats["pass@2"] <= 1 and 0 <= stats["formatted"] <= 1
         assert stats["len_incorrect"] is None or stats["len_incorrect"] <= 12
+
+
+def calculator_prompt(tokenizer, question: str, env) -> str:
+    chat = [*env.preamble, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_tool_reply_is_what_the_chat_template_writes_for_the_whole_conversation(smol):
+    _, _, tokenizer = smol
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "85 + 88"}}</tool_call>'
+    chat = [{"role": "user", "content": "What is 85 + 88?"}, {"role": "assistant", "content": call}]
+    before = tokenizer.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True) + call
+    whole = tokenizer.apply_chat_template(
+        [*chat, {"role": "tool", "content": "173"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = reply_ids(tokenizer, {"role": "tool", "content": "173"}, after_eos=False)
+    assert before + tokenizer.decode(ids) == whole
+    assert tokenizer.decode(ids) == "<|im_end|>\n<|im_start|>tool\n173<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(reply_ids(tokenizer, {"role": "tool", "content": "173"}, after_eos=True)).startswith("\n")
+
+
+def test_calculator_episodes_keep_the_kv_cache_across_turns_exactly_as_re_prefilling(smol):
+    """Greedy, with the calculator and the experiment's preamble: the model calls the tool, gets
+    the reply, and goes on; every token equals decoding the whole history again without a cache."""
+    _, policy, tokenizer = smol
+    with initialize_config_module(config_module="rlkit.conf", version_base=None):
+        env = build(compose("config", ["+experiment=calculator_smollm2"]), "environment")
+    questions = ["What is 85 + 88?", "What is 31 + 8 + 85?"]
+    prompts = [calculator_prompt(tokenizer, q, env) for q in questions]
+    ep = episodes(env, [{} for _ in prompts])
+    gen = generate(policy, tokenizer, prompts, 96, temperature=0, episodes=ep)
+    assert all(e.calls == 1 for e in ep.each)  # a tool call, its reply, then the model again
+    for i, p in enumerate(prompts):
+        n = int(gen.completion_mask[i].sum())
+        assert gen.completion_ids[i, :n].tolist() == reprefilled(policy, tokenizer, p, 96, env), questions[i]
+        model = gen.model_mask[i, :n].tolist()
+        first_reply = model.index(0)
+        assert 0 in model and 1 in model[first_reply:]  # the model's turn, the tool's reply, the model's next turn
