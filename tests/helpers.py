@@ -297,7 +297,7 @@ def reprefilled(model, tok, prompt: str, budget: int, env) -> list[int]:
                 turn, out = turn + [nxt], out + [nxt]
                 at_eos = nxt == tok.eos_token_id
                 ended = at_eos or any(s in tok.decode(turn) for s in env.stop_strings)
-                step = model(input_ids=torch.tensor([[nxt]]), past_key_values=step.past_key_values, use_cache=True)
+                step = model(input_ids=torch.tensor([[nxt]]), cache=step.cache, use_cache=True)
         if not ended:
             break
         message = episode.reply(tok.decode(turn, skip_special_tokens=True))
