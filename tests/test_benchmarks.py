@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 
 def load(name: str):
     spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
@@ -80,3 +82,11 @@ def test_rlkit_and_trl_compute_the_same_advantages_loss_and_gradient(tmp_path, m
         bench.report(res)
     out = capsys.readouterr().out
     assert out.count("ratio rlkit/TRL") == 2 and out.count("unshared/shared rlkit step time") == 2
+
+
+@pytest.mark.slow
+def test_multi_turn_benchmark_runs(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench_multi_turn", "--rows", "2", "--budget", "24", "--repeats", "1"])
+    load("bench_multi_turn").main()
+    out = capsys.readouterr().out
+    assert "single-turn: 48 tokens" in out and "the tool's" in out and "ratio" in out
