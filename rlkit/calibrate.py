@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlkit import atomic
 from rlkit.components import Engine
 from rlkit.config import build, check_values
-from rlkit.evaluate import answers, pass_at_k, presence, sampled_answers
+from rlkit.evaluate import Sampling, answers, pass_at_k, presence, sampled_answers
 from rlkit.metrics import difficulties
 from rlkit.metrics import mean_or_none as mean
 from rlkit.refusals import ConfigError
@@ -82,8 +82,8 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     rollout, budget = cfg.rollout, cfg.rollout.max_new_tokens
     with torch.no_grad():
         greedy = answers(engine.latest(), tokenizer, task, rows, cfg.eval.batch_size, budget)
-        options = cfg.eval.batch_size, budget, rollout.temperature, rollout.top_p, cfg.eval.seed
-        sampled = sampled_answers(engine.latest(), tokenizer, task, rows, n, *options)
+        how = Sampling(cfg.eval.batch_size, budget, rollout.temperature, rollout.top_p, cfg.eval.seed)
+        sampled = sampled_answers(engine.latest(), tokenizer, task, rows, n, how)
     present = presence(task, [r for r in rows for _ in range(n)], sampled.texts)  # [E * n]
     d = difficulties(rows)
     levels = {"all": torch.ones(len(rows), dtype=torch.bool)}

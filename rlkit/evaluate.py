@@ -109,8 +109,8 @@ def evaluate(
     out = greedy_metrics(task, rows_all, greedy, environment)
     out.update(probe_entropy(policy, tokenizer, task, batch_size))
     if samples:
-        options = batch_size, max_new_tokens, temperature, top_p, seed, pass_k, environment
-        out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, *options))
+        how = Sampling(batch_size, max_new_tokens, temperature, top_p, seed, environment)
+        out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, how, pass_k))
     return out
 
 
@@ -144,25 +144,24 @@ def pass_at_k(n: int, correct: torch.Tensor, k: int) -> torch.Tensor:
     return (1.0 - miss).float()  # [E]
 
 
-def sampled_accuracy(
-    engine,
-    tokenizer,
-    task,
-    rows: list[dict],
-    n: int,
-    batch_size,
-    max_new_tokens,
-    temperature,
-    top_p,
-    seed,
-    pass_k=(),
-    environment=None,
-) -> dict:
+class Sampling(NamedTuple):
+    """How sampled answers are drawn: in batches of `batch_size`, `max_new_tokens` each, at
+    `temperature` and `top_p`, from the generator state `seed`, as `environment`'s episodes (None:
+    single-turn)."""
+
+    batch_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    environment: object = None
+
+
+def sampled_accuracy(engine, tokenizer, task, rows: list[dict], n: int, how: Sampling, pass_k=()) -> dict:
     """`eval/mean@n` and `eval/pass@k` for each k of `pass_k` (per difficulty level and over the
-    hardest third too), from n completions per prompt sampled at `temperature`, drawn from the
-    generator state `seed`. mean@n is the unbiased pass@1."""
-    options = batch_size, max_new_tokens, temperature, top_p, seed, environment
-    hits = sampled_answers(engine, tokenizer, task, rows, n, *options).correct.float().view(len(rows), n)  # [E, n]
+    hardest third too), from n completions per prompt sampled as `how` says. mean@n is the unbiased
+    pass@1."""
+    hits = sampled_answers(engine, tokenizer, task, rows, n, how).correct.float().view(len(rows), n)  # [E, n]
     out = {}
     for name, per_prompt in (
         (f"eval/mean@{n}", hits.mean(-1)),
@@ -174,25 +173,12 @@ def sampled_accuracy(
     return out
 
 
-def sampled_answers(
-    engine,
-    tokenizer,
-    task,
-    rows: list[dict],
-    n: int,
-    batch_size,
-    max_new_tokens,
-    temperature,
-    top_p,
-    seed,
-    environment=None,
-) -> Answers:
-    """n completions per prompt sampled at `temperature` from the generator state `seed`, each
-    prompt's n together (E * n rows)."""
+def sampled_answers(engine, tokenizer, task, rows: list[dict], n: int, how: Sampling) -> Answers:
+    """n completions per prompt sampled as `how` says, each prompt's n together (E * n rows)."""
     repeated = [r for r in rows for _ in range(n)]
     with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return answers(engine, tokenizer, task, repeated, batch_size, max_new_tokens, temperature, top_p, environment)
+        torch.manual_seed(how.seed)
+        return answers(engine, tokenizer, task, repeated, *how[:4], environment=how.environment)
 
 
 def held_out(run) -> dict:
