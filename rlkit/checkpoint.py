@@ -142,11 +142,16 @@ def changed_keys(saved, now, prefix: str = "") -> list[str]:
     return [] if saved == now else [f"{prefix.rstrip('.')} ({saved!r} -> {now!r})"]
 
 
+# Groups added after checkpoints were first written, with what a checkpoint without them ran.
+ADDED = {"environment": {"_target_": "rlkit.environments.SingleTurn"}}
+
+
 def check_resume(saved: dict | None, now: dict, path) -> None:
-    """A checkpoint resumes only the run that wrote it: every key outside `MAY_CHANGE` must match."""
+    """A checkpoint resumes only the run that wrote it: every key outside `MAY_CHANGE` must match (a
+    checkpoint older than a group in `ADDED` ran that group's first option)."""
     if saved is None:
         return
-    diff = changed_keys(saved, now)
+    diff = changed_keys({**ADDED, **saved}, now)
     if diff:
         shown = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
         raise ConfigError(

@@ -32,7 +32,11 @@ def generate(engine, prompts: list[str], max_new_tokens: int, temperature: float
 
 
 class SingleTurn(Environment):
-    """One model turn per episode: the prompt, the completion, the task's reward."""
+    """One model turn per episode: the prompt, the completion, the task's reward. `preamble`: chat
+    messages put before every task prompt (e.g. a system prompt)."""
+
+    def __init__(self, preamble: list = ()):
+        self.preamble = chat_messages(preamble)
 
     def start(self, row: dict):
         return None

@@ -125,3 +125,10 @@ def test_temporary_files_of_writers_that_died_are_removed_on_resume(tmp_path, wa
     run(make_cfg(["steps=2"], cache_dir=warm_cache), str(tmp_path))
     assert not any(p.exists() for p in stale)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+
+
+def test_a_checkpoint_from_before_environments_resumes_single_turn_runs_only():
+    older = {k: v for k, v in DEFAULT.items() if k != "environment"}  # what runs before the group wrote
+    assert refusal(older, DEFAULT) is None
+    message = refusal(older, resolved(make_cfg(["environment=calculator"])))
+    assert message is not None and "environment" in message
