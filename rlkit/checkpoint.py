@@ -151,7 +151,7 @@ def check_resume(saved: dict | None, now: dict, path) -> None:
     checkpoint older than a group in `ADDED` ran that group's first option)."""
     if saved is None:
         return
-    diff = changed_keys({**ADDED, **saved}, now)
+    diff = changed_keys({**{k: v for k, v in ADDED.items() if k in now}, **saved}, now)
     if diff:
         shown = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
         raise ConfigError(
