@@ -20,7 +20,7 @@ from rlkit.losses import PPOClip
 from rlkit.models import TinyQwen2
 from rlkit.session import run
 from rlkit.tasks.arithmetic import ALPHABET
-from rlkit.types import LossInput, Rollout
+from rlkit.types import Episodes, LossInput, Rollout
 
 PROMPTS = ["1+2=", "13+4+5=", "7+7=", "9+1+0+3="]  # different lengths -> left padding
 
@@ -39,14 +39,23 @@ def play(model, tok, prompts, budget=30, temperature=1.0, max_turns=3, seed=0, *
     return generate(model, tok, prompts, budget, temperature, episodes=ep, **kw), ep
 
 
+class OneTurn:
+    def reply(self, text: str) -> None:
+        return None
+
+
 def test_a_single_turn_environment_leaves_the_engine_on_its_one_turn_path(model_tok):
+    """No episodes for a single-turn environment; and episodes that end after their first turn give
+    the one-turn path's very tokens, masks and truncation, every token the model's."""
     model, tok = model_tok
     assert episodes(SingleTurn(), [{"prompt": p} for p in PROMPTS]) is None
     torch.manual_seed(0)
     plain = generate(model, tok, PROMPTS * 4, 12)
     torch.manual_seed(0)
-    again = generate(model, tok, PROMPTS * 4, 12, episodes=None)
-    assert plain.model_mask is None and all(torch.equal(a, b) for a, b in zip(plain[:5], again[:5]))
+    ep = Episodes([OneTurn() for _ in PROMPTS * 4], 2, ())
+    turned = generate(model, tok, PROMPTS * 4, 12, episodes=ep)
+    assert plain.model_mask is None and all(torch.equal(a, b) for a, b in zip(plain[:5], turned[:5]))
+    assert torch.equal(turned.model_mask * turned.completion_mask, turned.completion_mask)
 
 
 def test_the_environments_tokens_are_its_replies_right_after_each_turn_and_never_the_models(model_tok):
