@@ -30,6 +30,7 @@ STUDIES = [
     "length_bias",
     "length_bias_smollm2",
     "pass_at_k_smollm2",
+    "calculator_smollm2",
 ]
 
 
