@@ -157,10 +157,33 @@ def sweep_job_failed(e: Exception, run_dir: str, hc) -> None:
 
 
 def main() -> None:
-    """`rlkit-train`. Like `python -m`, puts the current directory on the import path, so a plugin
-    module next to the user's configs imports. A config that does not compose exits 2, as other
-    bad input does (Hydra's own message says why). `portable=true` pins torch's CPU kernels before
-    any of them runs."""
+    """`rlkit-train`. A process of a data-parallel run ends through `parallel.exit_process`, with
+    the status it would exit with, once its group is closed."""
+    try:
+        train()
+    except BaseException as e:
+        if not parallel.JOINED:
+            raise
+        parallel.exit_process(exit_status(e))
+    if parallel.JOINED:
+        parallel.exit_process(0)
+
+
+def exit_status(e: BaseException) -> int:
+    """The status Python would exit with on `e`, its message or traceback printed as Python would."""
+    if isinstance(e, SystemExit) and (e.code is None or isinstance(e.code, int)):
+        return e.code or 0
+    if isinstance(e, SystemExit):
+        print(e.code, file=sys.stderr)
+    else:
+        traceback.print_exception(e)
+    return 1
+
+
+def train() -> None:
+    """Like `python -m`, puts the current directory on the import path, so a plugin module next to
+    the user's configs imports. A config that does not compose exits 2, as other bad input does
+    (Hydra's own message says why). `portable=true` pins torch's CPU kernels before any of them runs."""
     if any(a.lstrip("+").lower() == "portable=true" for a in sys.argv[1:]):
         for key, value in PORTABLE_ENV.items():  # read when torch, MKL and oneDNN first run a kernel
             os.environ.setdefault(key, value)

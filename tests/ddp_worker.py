@@ -50,4 +50,5 @@ def update_on_shard(rank: int, world: int, port: int, cases: list, cache: str):
         snap = snapshot(state, stats)  # on every rank: gathering a sharded policy takes all of them
         if rank == 0:
             torch.save({**snap, "kept": kept}, os.path.join(out, "params.pt"))
-    torch.distributed.destroy_process_group()
+    parallel.close(finished=True)
+    parallel.exit_process(0)  # as rlkit-train ends a rank: the sharded cases' models outlive the group

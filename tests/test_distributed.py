@@ -52,6 +52,18 @@ PARALLEL_CASES = {
 }
 
 
+def test_a_process_that_joined_a_group_exits_with_its_status_and_its_output_flushed():
+    """`parallel.exit_process` (how a rank of rlkit-train ends) skips the interpreter's teardown, where
+    a sharded model's leftover gloo group can abort the process, and still flushes both streams."""
+    code = (
+        "import sys; from rlkit import parallel; print('out', end=''); print('err', end='', file=sys.stderr); "
+        "parallel.exit_process(75)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a pipe is by default
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert (done.returncode, done.stdout, done.stderr) == (75, "out", "err")
+
+
 def case_overrides(case: str, processes: int) -> list[str]:
     """The case's overrides; one process runs `parallel=shard` unsharded, i.e. without it."""
     full = ["optim.micro_batch_size=3", "rollout.prompts_per_step=4", *PARALLEL_CASES[case]]

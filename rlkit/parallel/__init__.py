@@ -17,6 +17,15 @@ from rlkit.parallel.collectives import (  # noqa: F401
     sum_gradients,
     total,
 )
-from rlkit.parallel.group import close, init, launch_rank, launch_time, local_device, peer_failed  # noqa: F401
+from rlkit.parallel.group import (  # noqa: F401
+    JOINED,
+    close,
+    exit_process,
+    init,
+    launch_rank,
+    launch_time,
+    local_device,
+    peer_failed,
+)
 from rlkit.parallel.sharding import full_weights, is_sharded, local  # noqa: F401
 from rlkit.parallel.strategy import MODES, OneProcess, Replicated, Sharded, choose  # noqa: F401
