@@ -8,6 +8,7 @@ the checkpoints (its lock, setting an earlier run aside) is `rlkit.rundir`'s."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 import random
 import re
@@ -142,16 +143,36 @@ def changed_keys(saved, now, prefix: str = "") -> list[str]:
     return [] if saved == now else [f"{prefix.rstrip('.')} ({saved!r} -> {now!r})"]
 
 
-# Groups added after checkpoints were first written, with what a checkpoint without them ran.
-ADDED = {"environment": {"_target_": "rlkit.environments.SingleTurn"}}
+# Groups and keys added after checkpoints were first written (dotted), with what a checkpoint
+# without them ran; filled in only where the config it is compared with has them.
+ADDED = {
+    "environment": {"_target_": "rlkit.environments.SingleTurn"},
+    "environment.error_reward": 0.0,
+}
+
+
+def filled(saved: dict, now: dict) -> dict:
+    """`saved` with each key of `ADDED` that it lacks and `now` has (outer groups first)."""
+    out = copy.deepcopy(saved)
+    for key, value in ADDED.items():
+        *outer, last = key.split(".")
+        have, want = out, now
+        for k in outer:
+            have, want = have.get(k), want.get(k)
+            if not (isinstance(have, dict) and isinstance(want, dict)):
+                break
+        else:
+            if last in want and last not in have:
+                have[last] = copy.deepcopy(value)
+    return out
 
 
 def check_resume(saved: dict | None, now: dict, path) -> None:
     """A checkpoint resumes only the run that wrote it: every key outside `MAY_CHANGE` must match (a
-    checkpoint older than a group in `ADDED` ran that group's first option)."""
+    checkpoint older than a key in `ADDED` ran with its value there)."""
     if saved is None:
         return
-    diff = changed_keys({**{k: v for k, v in ADDED.items() if k in now}, **saved}, now)
+    diff = changed_keys(filled(saved, now), now)
     if diff:
         shown = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
         raise ConfigError(

@@ -156,8 +156,10 @@ class Environment(Protocol):
     episode for a task row: an object whose `reply(text)` takes the model's turn (decoded) and
     returns the chat message to append (`{"role": ..., "content": ...}`, rendered through the
     model's chat template) or None to end the episode. The reward is the task's, over the whole
-    trajectory. `max_turns` 1 is a single-turn task: the engine never asks. `metrics(episodes,
-    correct)`: the environment's metrics of the episodes of one step or evaluation (`correct` [N])."""
+    trajectory, plus the episode's `reward` attribute where it has one (the sum of the per-turn terms
+    the environment gave, e.g. a penalty for a malformed call). `max_turns` 1 is a single-turn task:
+    the engine never asks. `metrics(episodes, correct)`: the environment's metrics of the episodes of
+    one step or evaluation (`correct` [N])."""
 
     max_turns: int = 1
     stop_strings: tuple = ()  # strings that end a model turn besides the EOS token

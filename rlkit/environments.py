@@ -5,6 +5,7 @@ answers each JSON tool call with the calculator's result."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import torch
@@ -31,6 +32,12 @@ def generate(engine, prompts: list[str], max_new_tokens: int, temperature: float
     return engine.generate(prompts, max_new_tokens, temperature, top_p, episodes=ep)
 
 
+def turn_rewards(each: list) -> torch.Tensor | None:
+    """The per-turn reward terms each episode summed (its `reward`, 0 without one) [N]; None when all are 0."""
+    terms = torch.tensor([float(getattr(e, "reward", 0.0)) for e in each])  # [N]
+    return terms if bool(terms.any()) else None
+
+
 class SingleTurn(Environment):
     """One model turn per episode: the prompt, the completion, the task's reward. `preamble`: chat
     messages put before every task prompt (e.g. a system prompt)."""
@@ -51,19 +58,25 @@ class Calculator(Environment):
     turn ends at `</tool_call>` and the result (or an `error: ...` string) comes back as a message
     of `role`. A turn without a tool call is the final answer and ends the episode. `max_turns`
     counts the model's turns, the answer included. `preamble`: chat messages put before every task
-    prompt (e.g. a system prompt and an example exchange that shows one call)."""
+    prompt (e.g. a system prompt and an example exchange that shows one call). `error_reward`: the
+    per-turn reward term of a call that fails (e.g. -0.1), added to the episode's reward; 0: none."""
 
     stop_strings = ("</tool_call>",)
 
-    def __init__(self, max_turns: int = 3, role: str = "tool", preamble: list = ()):
+    def __init__(self, max_turns: int = 3, role: str = "tool", preamble: list = (), error_reward: float = 0.0):
         require(
             isinstance(max_turns, int) and max_turns >= 2,
             f"environment.max_turns must be an integer >= 2 (a tool call, then the answer), got {max_turns}",
         )
+        require(
+            isinstance(error_reward, (int, float)) and math.isfinite(error_reward),
+            f"environment.error_reward must be a finite number, got {error_reward!r}",
+        )
         self.max_turns, self.role, self.preamble = max_turns, role, chat_messages(preamble)
+        self.error_reward = float(error_reward)
 
     def start(self, row: dict) -> "ToolEpisode":
-        return ToolEpisode(self.role)
+        return ToolEpisode(self.role, self.error_reward)
 
     def metrics(self, episodes: list, correct: torch.Tensor) -> dict:
         return tool_metrics(episodes, correct)
@@ -78,10 +91,12 @@ def chat_messages(messages) -> tuple:
 
 
 class ToolEpisode:
-    """One calculator episode: the model's turns, its tool calls and the calls that failed."""
+    """One calculator episode: the model's turns, its tool calls, the calls that failed and the
+    per-turn reward terms they earned."""
 
-    def __init__(self, role: str):
+    def __init__(self, role: str, error_reward: float = 0.0):
         self.role, self.turns, self.calls, self.errors = role, 0, 0, 0
+        self.error_reward, self.reward = error_reward, 0.0
 
     def reply(self, text: str) -> dict | None:
         self.turns += 1
@@ -90,7 +105,9 @@ class ToolEpisode:
             return None  # the final answer
         self.calls += 1
         result = run_call(call[-1])
-        self.errors += result.startswith("error")
+        failed = result.startswith("error")
+        self.errors += failed
+        self.reward += self.error_reward * failed
         return {"role": self.role, "content": result}
 
 

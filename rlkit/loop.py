@@ -14,7 +14,7 @@ import torch
 from rlkit import parallel
 from rlkit.batching import micro_batches, mini_batches, over_micro_batches
 from rlkit.critic import explained_variance
-from rlkit.environments import episodes, generate
+from rlkit.environments import episodes, generate, turn_rewards
 from rlkit.evaluate import held_out
 from rlkit.guards import checked_advantages, finite
 from rlkit.logprobs import rollout_logprobs
@@ -54,6 +54,8 @@ def make_rollout(run: Run, rows: list[dict]) -> Rollout:
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         rewards, by_fn = score(parts.task, parts.reward_fns, s.combine, rows, texts, G, timeout)  # [N], [N, K]
         right = correct(parts.reward_fns, rewards, by_fn).to(rt.device)  # [N] before any shuffling
+        extra = turn_rewards(ep.each) if ep is not None else None  # [N] the environment's per-turn terms
+        rewards = rewards if extra is None else rewards + extra  # [N]
         rewards = shuffled(rewards, G, s.shuffle).to(rt.device)  # [N] the control: unrelated rewards
         kept = dict(rows=rows, texts=texts, episodes=[] if ep is None else ep.each)
         r = Rollout.from_generation(gen, G, rewards=rewards, reward_parts=by_fn, correct=right, **kept)

@@ -254,29 +254,34 @@ def write_jsonl(path, rows):
 class Echo:
     """A multi-turn plugin environment for the character testbed (loaded through
     `environment._target_`, like any plugin): a model turn ends at EOS or at `;`, and each turn but
-    the last is answered with `reply` (characters of the testbed's alphabet)."""
+    the last is answered with `reply` (characters of the testbed's alphabet), each answer earning
+    the per-turn reward term `turn_reward`."""
 
     stop_strings = (";",)
     preamble = ()
 
-    def __init__(self, max_turns: int = 3, reply: str = "9="):
-        self.max_turns, self.reply = max_turns, reply
+    def __init__(self, max_turns: int = 3, reply: str = "9=", turn_reward: float = 0.0):
+        self.max_turns, self.reply, self.turn_reward = max_turns, reply, turn_reward
 
     def start(self, row: dict) -> "EchoEpisode":
-        return EchoEpisode(self.max_turns, self.reply)
+        return EchoEpisode(self.max_turns, self.reply, self.turn_reward)
 
     def metrics(self, episodes: list, correct) -> dict:
         return {"turns": sum(e.turns for e in episodes) / len(episodes)}
 
 
 class EchoEpisode:
-    def __init__(self, max_turns: int, reply: str):
+    def __init__(self, max_turns: int, reply: str, turn_reward: float = 0.0):
         self.max_turns, self.text, self.turns, self.seen = max_turns, reply, 0, []
+        self.turn_reward, self.reward = turn_reward, 0.0
 
     def reply(self, text: str) -> dict | None:
         self.turns += 1
         self.seen.append(text)
-        return None if self.turns >= self.max_turns else {"role": "tool", "content": self.text}
+        if self.turns >= self.max_turns:
+            return None
+        self.reward += self.turn_reward
+        return {"role": "tool", "content": self.text}
 
 
 def reprefilled(model, tok, prompt: str, budget: int, env) -> list[int]:

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlkit.environments import Calculator, tool_metrics
+from rlkit.environments import Calculator, tool_metrics, turn_rewards
 from rlkit.refusals import ConfigError
 from rlkit.tools.calculator import MAX_CHARS, calculate
 
@@ -111,6 +111,20 @@ def test_hostile_tool_calls_get_an_error_string_never_an_exception_or_a_hang():
     assert ep.calls == ep.errors == len(hostile)
 
 
+def test_each_failed_call_adds_the_error_reward_to_the_episodes_reward():
+    ep = Calculator(error_reward=-0.25).start({})
+    good = '{"name": "calculator", "arguments": {"expression": "2 + 2"}}'
+    for body in ["not json", good, '{"name": "shell"}']:
+        ep.reply(call(body))
+    assert ep.reply("The answer is 4.") is None
+    assert (ep.calls, ep.errors, ep.reward) == (3, 2, -0.5)
+    plain = Calculator().start({})
+    plain.reply(call("not json"))
+    assert (plain.errors, plain.reward) == (1, 0.0)
+    assert turn_rewards([ep, plain]).tolist() == [-0.5, 0.0]
+    assert turn_rewards([plain, object()]) is None  # all 0 (an episode without `reward` counts 0): no term
+
+
 def test_the_calculator_refuses_a_turn_budget_without_room_and_malformed_preambles():
     with pytest.raises(ConfigError, match="max_turns"):
         Calculator(max_turns=1)
@@ -119,6 +133,9 @@ def test_the_calculator_refuses_a_turn_budget_without_room_and_malformed_preambl
     with pytest.raises(ConfigError, match=r"messages \[1\]"):
         Calculator(preamble=[{"role": "system", "content": "hi"}, {"role": "user"}])
     assert Calculator(preamble=[{"role": "system", "content": "hi"}]).preamble == ({"role": "system", "content": "hi"},)
+    for bad in [float("nan"), "-0.1", None]:
+        with pytest.raises(ConfigError, match="error_reward must be a finite number"):
+            Calculator(error_reward=bad)
 
 
 def test_tool_metrics_by_hand():

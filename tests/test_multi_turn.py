@@ -16,9 +16,11 @@ from rlkit.aggregators import SeqMeanTokenMean, SeqMeanTokenSum, TokenMean
 from rlkit.engines.kv_cache import generate
 from rlkit.environments import SingleTurn, episodes
 from rlkit.logprobs import token_logprobs
+from rlkit.loop import make_rollout
 from rlkit.losses import PPOClip
 from rlkit.models import TinyQwen2
 from rlkit.session import run
+from rlkit.setup import setup
 from rlkit.tasks.arithmetic import ALPHABET
 from rlkit.types import Episodes, LossInput, Rollout
 
@@ -185,3 +187,19 @@ def test_every_estimator_aggregator_and_sampler_trains_on_multi_turn_episodes(va
     assert all(1 < l["env/turns"] <= 3 for l in lines[1:]), variant  # episodes of several turns
     if "sampler=dapo" not in variant:  # the rows trained on are the rows generated: trajectories hold the replies
         assert all(l["env/model_tokens"] < l["train/completion_len"] for l in lines[1:]), variant
+
+
+def test_the_environments_per_turn_terms_are_added_to_each_episodes_reward(warm_cache, tmp_path):
+    """The same episodes (the seed fixes them) with and without a per-turn term: the rewards differ by
+    the term times the replies of each episode, and correctness is the task's alone."""
+    rollouts = []
+    for term in (0.0, 0.5):
+        cfg = make_cfg([*ECHO, *SIGNAL, f"++environment.turn_reward={term}"], cache_dir=warm_cache)
+        state = setup(cfg, str(tmp_path / str(term)), {})
+        rollouts.append(make_rollout(state, [state.parts.task.train[i] for i in range(2)]))
+    plain, termed = rollouts
+    assert torch.equal(plain.completion_ids, termed.completion_ids)
+    replies = torch.tensor([min(e.turns, e.max_turns - 1) for e in termed.episodes], dtype=torch.float)  # [N]
+    assert replies.sum() > 0
+    assert torch.allclose(termed.rewards - plain.rewards, 0.5 * replies)
+    assert torch.equal(termed.correct, plain.correct)

@@ -132,3 +132,12 @@ def test_a_checkpoint_from_before_environments_resumes_single_turn_runs_only():
     assert refusal(older, DEFAULT) is None
     message = refusal(older, resolved(make_cfg(["environment=calculator"])))
     assert message is not None and "environment" in message
+
+
+def test_a_checkpoint_from_before_the_calculators_error_reward_resumes_runs_without_one():
+    now = resolved(make_cfg(["environment=calculator"]))
+    older = {**now, "environment": {k: v for k, v in now["environment"].items() if k != "error_reward"}}
+    assert refusal(older, now) is None
+    termed = resolved(make_cfg(["environment=calculator", "environment.error_reward=-0.1"]))
+    message = refusal(older, termed)
+    assert message is not None and "environment.error_reward (0.0 -> -0.1)" in message
