@@ -5,7 +5,9 @@ completions per prompt at the rollout's temperature and budget, and reports per 
 pass@1 and pass@k (unbiased), greedy accuracy, the share of groups of the rollout's size G that
 carry no reward signal (all right or all wrong), the share of completions that hit the budget, the
 lengths of right and wrong answers, and how often the right answer is present (the task's lenient
-`present` score) but not where the reward reads it. Writes nothing but the `--out` file.
+`present` score) but not where the reward reads it; with a multi-turn environment each sample is an
+episode and the environment's metrics of them come too (the calculator's `tool_use`, `tool_errors`,
+...). Writes nothing but the `--out` file.
 
     rlkit-calibrate +experiment=graded --samples 32 --out experiments/graded/calibration.json
 """
@@ -24,13 +26,13 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from rlkit import atomic
-from rlkit.components import Engine
+from rlkit.components import Engine, Environment
 from rlkit.config import build, check_values
 from rlkit.evaluate import Sampling, answers, pass_at_k, presence, sampled_answers
 from rlkit.metrics import difficulties
 from rlkit.metrics import mean_or_none as mean
 from rlkit.refusals import ConfigError
-from rlkit.setup import build_task_and_model, seed_everything
+from rlkit.setup import build_task_and_model, check_episodes, seed_everything
 from rlkit.tasks.base import TaskError
 
 
@@ -75,14 +77,16 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     check_values(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    environment = build(cfg, "environment", Environment)
+    check_episodes(cfg, environment)
     task, _, policy, tokenizer, _ = build_task_and_model(cfg, None, torch.device("cpu"))
     seed_everything(cfg.seed)
     engine = build(cfg, "engine", Engine, policy=policy.eval(), tokenizer=tokenizer)
     rows = getattr(task, split).to_list()[: prompts or None]
     rollout, budget = cfg.rollout, cfg.rollout.max_new_tokens
     with torch.no_grad():
-        greedy = answers(engine.latest(), tokenizer, task, rows, cfg.eval.batch_size, budget)
-        how = Sampling(cfg.eval.batch_size, budget, rollout.temperature, rollout.top_p, cfg.eval.seed)
+        greedy = answers(engine.latest(), tokenizer, task, rows, cfg.eval.batch_size, budget, environment=environment)
+        how = Sampling(cfg.eval.batch_size, budget, rollout.temperature, rollout.top_p, cfg.eval.seed, environment)
         sampled = sampled_answers(engine.latest(), tokenizer, task, rows, n, how)
     present = presence(task, [r for r in rows for _ in range(n)], sampled.texts)  # [E * n]
     d = difficulties(rows)
@@ -92,15 +96,18 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     out = {}
     for name, keep in levels.items():  # keep: [E]
         each = keep.repeat_interleave(n)  # [E * n]
-        out[name] = level_stats(
-            task, n, rollout.group_size, budget, subset(sampled, each), subset(greedy, keep), present[each]
-        )
+        kept = subset(sampled, each)
+        out[name] = {
+            **level_stats(task, n, rollout.group_size, budget, kept, subset(greedy, keep), present[each]),
+            **environment.metrics(kept.episodes, kept.correct),  # e.g. the calculator's tool_use; {} single-turn
+        }
     return out
 
 
 def subset(a, keep: torch.Tensor):
     """The rows of `a` (evaluate.Answers) where `keep` holds."""
-    return type(a)(a.correct[keep], a.lengths[keep], a.truncated[keep], [t for t, k in zip(a.texts, keep) if k])
+    texts, episodes = [t for t, k in zip(a.texts, keep) if k], [e for e, k in zip(a.episodes, keep) if k]
+    return type(a)(a.correct[keep], a.lengths[keep], a.truncated[keep], texts, episodes)
 
 
 def table(levels: dict) -> str:

@@ -87,6 +87,14 @@ def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Validated:
     return out
 
 
+def check_episodes(cfg: DictConfig, environment: Environment) -> None:
+    """A multi-turn environment needs an engine that runs episodes (`multi_turn = True`)."""
+    require(
+        environment.max_turns == 1 or getattr(target_class(cfg, "engine"), "multi_turn", False),
+        f"environment={cfg.environment._target_} runs multi-turn episodes, which engine={cfg.engine._target_} cannot",
+    )
+
+
 def check_built(cfg: DictConfig, c: Validated) -> None:
     """What the built components declare: a critic when the estimator needs one, the Protocols, finite
     reward weights, and what the parallel strategy can run."""
@@ -97,10 +105,7 @@ def check_built(cfg: DictConfig, c: Validated) -> None:
     check(c.loss, PolicyLoss, "loss")
     check(c.correction, Correction, "correction")
     check(c.environment, Environment, "environment")
-    require(
-        c.environment.max_turns == 1 or getattr(target_class(cfg, "engine"), "multi_turn", False),
-        f"environment={cfg.environment._target_} runs multi-turn episodes, which engine={cfg.engine._target_} cannot",
-    )
+    check_episodes(cfg, c.environment)
     for name, fn in c.reward_fns.items():
         check(fn, RewardFunction, f"reward.functions.{name}")
         weight = fn.weight

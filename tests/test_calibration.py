@@ -115,6 +115,22 @@ def test_calibration_agrees_with_a_runs_step_zero_evaluation(fast_cfg, warm_cach
     assert "| level | prompts | greedy_accuracy |" in capsys.readouterr().out
 
 
+def test_calibration_runs_a_multi_turn_environments_episodes_as_the_run_evaluates_them(fast_cfg, warm_cache, tmp_path):
+    """With a multi-turn environment (the plugin `helpers.Echo`) the calibration samples episodes and
+    reports the environment's metrics of them; its greedy accuracy and pass@k are the run's step-0
+    ones (on this testbed both are 0: the echoed reply is read as the answer)."""
+    echo = ["++environment._target_=helpers.Echo", "++environment.max_turns=3", "rollout.max_new_tokens=24"]
+    sizes = [*echo, "eval.samples=4", "eval.pass_k=[1,4]", "task.n_eval=8"]
+    run(fast_cfg(*sizes, "steps=1"), str(tmp_path / "run"))
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    out = tmp_path / "calibration.json"
+    assert calibrate([*FAST, f"warm_start.cache_dir={warm_cache}", *sizes, "--samples", "4", "--out", str(out)]) == 0
+    a = json.loads(out.read_text())["levels"]["all"]
+    assert a["greedy_accuracy"] == first["eval/accuracy"]
+    assert [a["pass@1"], a["pass@4"]] == pytest.approx([first["eval/pass@1"], first["eval/pass@4"]])
+    assert 1 < a["turns"] <= 3  # the sampled episodes' turns: replies came between them
+
+
 def test_calibration_and_pass_k_refuse_bad_input(tmp_path, capsys):
     out = ["--out", str(tmp_path / "calibration.json")]
     assert calibrate([*FAST, "--samples", "0", *out]) == 2
