@@ -55,14 +55,15 @@ PARALLEL_CASES = {
 
 def test_a_process_that_joined_a_group_exits_with_its_status_and_its_output_flushed():
     """`parallel.exit_process` (how a rank of rlkit-train ends) skips the interpreter's teardown, where
-    a sharded model's leftover gloo group can abort the process, and still flushes both streams."""
+    a sharded model's leftover gloo group can abort the process, but runs the `atexit` functions
+    (wandb's finish) and flushes both streams."""
     code = (
-        "import sys; from rlkit import parallel; print('out', end=''); print('err', end='', file=sys.stderr); "
-        "parallel.exit_process(75)"
+        "import atexit, sys; from rlkit import parallel; print('out', end=''); print('err', end='', file=sys.stderr); "
+        "atexit.register(lambda: print(' at exit', end='', file=sys.stderr)); parallel.exit_process(75)"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a pipe is by default
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert (done.returncode, done.stdout, done.stderr) == (75, "out", "err")
+    assert (done.returncode, done.stdout, done.stderr) == (75, "out", "err at exit")
 
 
 def case_overrides(case: str, processes: int) -> list[str]:

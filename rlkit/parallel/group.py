@@ -4,7 +4,7 @@ peer's failure, this process's device), and ending a process that was part of on
 
 from __future__ import annotations
 
-import logging
+import atexit
 import os
 import sys
 from datetime import datetime, timedelta
@@ -57,14 +57,15 @@ def close(finished: bool) -> None:
 
 
 def exit_process(code: int) -> None:
-    """End a process that joined a process group with status `code`, its output flushed, without the
-    interpreter's teardown. A sharded model keeps the group's C++ object alive after
-    `destroy_process_group` (FSDP's mesh info holds it), and freeing it during that teardown now and
-    then aborts the process ("terminate called without an active exception", SIGABRT): 2 of 30
-    two-process runs of a sharded toy model did, none of 60 that ended here."""
+    """End a process that joined a process group with status `code`: what Python runs at exit (the
+    `atexit` functions: wandb's finish, logging's flush), its output flushed, then no interpreter
+    teardown. A sharded model keeps the group's C++ object alive after `destroy_process_group`
+    (FSDP's mesh info holds it), and freeing it during that teardown now and then aborts the process
+    ("terminate called without an active exception", SIGABRT): 2 of 30 two-process runs of a
+    sharded toy model did, none of 60 that ended here."""
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    logging.shutdown()
     os._exit(code)
 
 
