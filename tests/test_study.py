@@ -156,6 +156,11 @@ def test_a_positive_control_a_premise_and_the_learning_margin_gate_every_verdict
     r = analyse(spec, slow + [rec("c", s, 0.5) for s in range(5)], None)
     assert r["learned"] is False and r["verdicts"]["t"][0] == "not tested"  # interval [+0.045, +0.077] not > 0.05
     assert "needs its interval above 0.05: FAILED, the baseline did not learn by the margin" in r["learning"][0]
+    ceiling = records([0.9] * 5, near)  # every run of b from 0.3 to 0.9: one gain five times, no spread
+    r = analyse(spec, ceiling + moved, None)
+    word, why = r["verdicts"]["t"]
+    assert word == "not tested" and why.startswith("every run of the learning check gained the same amount")
+    assert r["learning"][0].endswith("FAILED: every run gained the same amount, so there is no test")
     default = write_spec(tmp_path, learning={"aggregate": "gain:2"})  # margin: twice the smallest effect, 0.1
     assert analyse(default, records(base, near), None)["learned"] is False  # gains +0.148 [+0.099, +0.197]
     assert analyse(default, records([0.5, 0.55, 0.6, 0.52, 0.57], near), None)["learned"] is True  # [+0.199, ...]

@@ -86,7 +86,7 @@ MIN_PAIRS = 3  # fewer pairs give no verdict
 def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict) -> tuple[str, str]:
     """The verdict and its reason for one treatment's primary difference d (treatment - baseline),
     given its Holm-adjusted p of no difference (`p_sig`) and of TOST at the margin (`p_eq`) and
-    the gates (`gates`: learned, premises, sensitive, engaged: True, False or None for not declared)."""
+    the gates (`gates`: learned, spread, premises, sensitive, engaged: True, False or None for not declared)."""
     failed = [why for key, why in GATE_WORDS.items() if gates.get(key) is False]
     if failed:
         return "not tested", failed[0]
@@ -110,6 +110,8 @@ def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict) ->
 
 GATE_WORDS = {
     "learned": "the baseline did not learn by the learning margin, so the testbed cannot show the claim",
+    "spread": "every run of the learning check gained the same amount (a ceiling or a floor), so it has no "
+    "test: no spread",
     "premises": "a premise of the claim did not hold on this testbed (see Premises)",
     "sensitive": "the positive control did not move the primary metric by the smallest effect: the testbed "
     "cannot see this mechanism",
@@ -172,13 +174,14 @@ def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]
     return {arm: passed[e.arm or arm] for arm in treatments}, lines
 
 
-def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
+def learning(spec, arms: dict) -> tuple[bool | None, list[str], bool]:
     """Whether the baseline learned: its mean learning aggregate exceeds the learning margin
-    (`learning_margin`) with its whole interval; a line for it and for each control
-    arm against it; (None, []) when the study declares no check."""
+    (`learning_margin`) with its whole interval; a line for it and for each control arm against
+    it; and whether its gains have a spread to test (not all equal). (None, [], True) when the
+    study declares no check."""
     L = spec.learning
     if L is None:
-        return None, []
+        return None, [], True
     values, name = per_run(arms, L, spec.unfinished), f"{aggregate_name(L.aggregate)} {L.metric}"
     margin, base = learning_margin(spec), learner(spec)
     gains = list(values.get(base, {}).values())
@@ -187,7 +190,13 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
     role, who = ("baseline", "the baseline") if base == spec.baseline else ("arm", base)
     lines = [
         f"{base} ({role}): {name} = {d.describe()}, needs its interval above {margin:g}: "
-        + ("passed" if learned else f"FAILED, {who} did not learn by the margin")
+        + (
+            "passed"
+            if learned
+            else "FAILED: every run gained the same amount, so there is no test"
+            if d.zero_variance
+            else f"FAILED, {who} did not learn by the margin"
+        )
     ]
     for control in spec.controls:
         own = list(values.get(control, {}).values())
@@ -195,7 +204,7 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
             f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {base} - {control}: "
             f"{stats.paired(*reversed(pair(values, base, control)), spec.alpha).describe()}"
         )
-    return learned, lines
+    return learned, lines, not d.zero_variance
 
 
 def sensitivity(spec, values: dict) -> tuple[bool | None, list[str]]:
@@ -243,10 +252,15 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
     p_sig = dict(zip(treatments, stats.holm([d.p for d in diffs.values()])))
     p_eq = dict(zip(treatments, stats.holm([d.tost(spec.primary.smallest_effect) for d in diffs.values()])))
     engaged, engagement_lines = engagement(spec, arms, treatments)
-    learned, learning_lines = learning(spec, arms)
+    learned, learning_lines, spread = learning(spec, arms)
     sensitive, sensitivity_lines = sensitivity(spec, values)
     held, premise_lines = premises(spec, arms)
-    gates = {"learned": learned, "premises": held, "sensitive": sensitive}
+    gates = {
+        "learned": learned if spread else None,
+        "spread": None if spread else False,
+        "premises": held,
+        "sensitive": sensitive,
+    }
     capped = f"; at the seed cap ({spec.seeds.cap})" if plan and plan.get("capped") else ""
     verdicts = {}
     for arm in treatments:
