@@ -94,6 +94,7 @@ def row(name: str) -> str:
         if again is not None:
             replication.append(replicated(verdict, *again[arm]))
     learned = {True: "; baseline learned", False: "; baseline did not learn by the margin", None: ""}[r["learned"]]
+    learned = learned if r["spread"] else "; every run of the learning check gained the same: no test"
     return (
         f"| {link} | {claim} | {'; '.join(words)} | {'; '.join(replication) or 'not run'} | "
         f"{'; '.join(numbers)}{learned} |"

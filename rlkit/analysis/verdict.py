@@ -242,6 +242,17 @@ def premises(spec, arms: dict) -> tuple[bool | None, list[str]]:
     return held, lines
 
 
+def gate_checks(spec, arms: dict, values: dict) -> tuple[dict, dict]:
+    """The gates every verdict passes (learned, spread, premises, sensitive: True, False or None for
+    not declared; a learning check without spread is no test of learning) and their report lines."""
+    learned, learning_lines, spread = learning(spec, arms)
+    sensitive, sensitivity_lines = sensitivity(spec, values)
+    held, premise_lines = premises(spec, arms)
+    gates = {"learned": learned if spread else None, "spread": None if spread else False}
+    lines = {"learning": learning_lines, "sensitivity": sensitivity_lines, "premises": premise_lines}
+    return {**gates, "premises": held, "sensitive": sensitive}, lines
+
+
 def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict:
     """Every number of the report, from the records alone; `robust` False leaves out the secondary
     lines' bootstrap statistics (the slow part), for a summary that needs only the verdicts."""
@@ -252,15 +263,7 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
     p_sig = dict(zip(treatments, stats.holm([d.p for d in diffs.values()])))
     p_eq = dict(zip(treatments, stats.holm([d.tost(spec.primary.smallest_effect) for d in diffs.values()])))
     engaged, engagement_lines = engagement(spec, arms, treatments)
-    learned, learning_lines, spread = learning(spec, arms)
-    sensitive, sensitivity_lines = sensitivity(spec, values)
-    held, premise_lines = premises(spec, arms)
-    gates = {
-        "learned": learned if spread else None,
-        "spread": None if spread else False,
-        "premises": held,
-        "sensitive": sensitive,
-    }
+    gates, gate_lines = gate_checks(spec, arms, values)
     capped = f"; at the seed cap ({spec.seeds.cap})" if plan and plan.get("capped") else ""
     verdicts = {}
     for arm in treatments:
@@ -275,12 +278,11 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
         "p_tost_adjusted": p_eq,
         "verdicts": verdicts,
         "engagement": engagement_lines,
-        "learned": learned,
-        "learning": learning_lines,
-        "sensitive": sensitive,
-        "sensitivity": sensitivity_lines,
-        "premises": premise_lines,
-        "held": held,
+        "learned": gates["learned"],
+        "spread": gates["spread"] is None,  # False: the learning check had no spread to test
+        "sensitive": gates["sensitive"],
+        "held": gates["premises"],
+        **gate_lines,
         "secondary": secondary,
         "secondary_holm": stats.holm([d.p for _, d, *_ in secondary]),
         "unfinished": unfinished,
