@@ -188,13 +188,14 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str], bool]:
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
     learned = d.n >= 2 and not d.zero_variance and d.interval[0] > margin
     role, who = ("baseline", "the baseline") if base == spec.baseline else ("arm", base)
+    spread = d.n < 2 or not d.zero_variance  # False: runs enough for a test, all with one gain
     lines = [
         f"{base} ({role}): {name} = {d.describe()}, needs its interval above {margin:g}: "
         + (
             "passed"
             if learned
             else "FAILED: every run gained the same amount, so there is no test"
-            if d.zero_variance
+            if not spread
             else f"FAILED, {who} did not learn by the margin"
         )
     ]
@@ -204,7 +205,7 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str], bool]:
             f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {base} - {control}: "
             f"{stats.paired(*reversed(pair(values, base, control)), spec.alpha).describe()}"
         )
-    return learned, lines, not d.zero_variance
+    return learned, lines, spread
 
 
 def sensitivity(spec, values: dict) -> tuple[bool | None, list[str]]:
