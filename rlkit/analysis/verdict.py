@@ -189,15 +189,11 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str], bool]:
     learned = d.n >= 2 and not d.zero_variance and d.interval[0] > margin
     role, who = ("baseline", "the baseline") if base == spec.baseline else ("arm", base)
     spread = d.n < 2 or not d.zero_variance  # False: runs enough for a test, all with one gain
+    no_test = "FAILED: every run gained the same amount, so there is no test"
+    failed = f"FAILED, {who} did not learn by the margin" if spread else no_test
     lines = [
         f"{base} ({role}): {name} = {d.describe()}, needs its interval above {margin:g}: "
-        + (
-            "passed"
-            if learned
-            else "FAILED: every run gained the same amount, so there is no test"
-            if not spread
-            else f"FAILED, {who} did not learn by the margin"
-        )
+        + ("passed" if learned else failed)
     ]
     for control in spec.controls:
         own = list(values.get(control, {}).values())
