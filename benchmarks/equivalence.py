@@ -32,6 +32,8 @@ CONFIGS = {  # name -> overrides over the tiny FAST sizes; together they reach e
     "epochs_minibatches": ["optim.epochs=2", "optim.mini_batches=2", "loss.beta=0.04"],
     "shared_prefix_kl_reward": ["optim.share_prefix=always", "loss.kl_placement=reward", "loss.beta=0.04"],
     "top_entropy_dual_clip": ["loss.top_entropy_quantile=0.5", "loss.dual_clip=3.0", "rewards=length_bonus"],
+    "process_overlong": ["advantage=process", "reward.overlong_cache=4"],
+    "ppo_micro_batches": ["algo=ppo", "optim.micro_batch_size=3", "optim.mini_batches=2"],
 }
 FAST = [
     "steps=3", "threads=1", "logger=jsonl", "rollout.prompts_per_step=4", "rollout.group_size=4",

@@ -15,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.refusals import ConfigError, check_class, require
+from rlkit.refusals import ConfigError, check_class, require_all
 from rlkit.tasks.base import TaskError
 
 
@@ -231,42 +231,47 @@ def numbers(node, prefix: str = ""):
 
 def check_values(cfg: DictConfig) -> None:
     """The config's own numbers and choices, before any component is built: every number of every
-    group finite, then each key's range."""
-    for key, value in numbers(resolved(cfg)):
-        require(math.isfinite(value), f"{key} must be a finite number, got {value}")
-    for key in ("seed", "warm_start.seed", "eval.seed"):
-        value = OmegaConf.select(cfg, key)
-        require(0 <= value <= SEED_MAX, f"{key} must be in [0, {SEED_MAX}], got {value}")
+    group finite, then each key's range. Every value that fails is named in one refusal."""
+    finite = [(math.isfinite(v), f"{key} must be a finite number, got {v}") for key, v in numbers(resolved(cfg))]
+    ranges = range_checks(cfg) + run_checks(cfg)
+    require_all(ranges if all(ok for ok, _ in finite) else finite)  # a non-finite number's range would repeat it
+
+
+def range_checks(cfg: DictConfig) -> list[tuple[bool, str]]:
+    """(ok, refusal) of the seeds, the rollout's sizes and the optimiser's settings."""
+    seeds = [(k, OmegaConf.select(cfg, k)) for k in ("seed", "warm_start.seed", "eval.seed")]
     r, op = cfg.rollout, cfg.optim
-    require(cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}")
-    require(r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}")
-    require(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
-    require(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
-    require(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
-    require(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    require(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
-    require(op.eps > 0, f"optim.eps must be > 0, got {op.eps}")
-    require(op.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {op.weight_decay}")
-    require(
-        0 <= op.beta1 < 1 and 0 <= op.beta2 < 1,
-        f"optim.beta1 and optim.beta2 must be in [0, 1), got {op.beta1}, {op.beta2}",
-    )
-    require(cfg.threads >= 0, f"threads must be >= 0 (0 = torch's default), got {cfg.threads}")
-    require(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
-    require(op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}")
-    require(op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}")
-    require(
-        1 <= op.mini_batches <= r.prompts_per_step,
-        f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}",
-    )
-    require(op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}")
-    require(op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}")
-    require(op.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0, got {op.micro_batch_tokens}")
-    require(
-        op.share_prefix in ("auto", "always", "never"),
-        f"optim.share_prefix must be auto, always or never, got {op.share_prefix!r}",
-    )
-    check_run_values(cfg)
+    return [
+        *((0 <= v <= SEED_MAX, f"{k} must be in [0, {SEED_MAX}], got {v}") for k, v in seeds),
+        (cfg.steps >= 1, f"steps must be >= 1, got {cfg.steps}"),
+        (r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}"),
+        (r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}"),
+        (r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}"),
+        (r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}"),
+        (0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}"),
+        (op.lr > 0, f"optim.lr must be > 0, got {op.lr}"),
+        (op.eps > 0, f"optim.eps must be > 0, got {op.eps}"),
+        (op.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {op.weight_decay}"),
+        (
+            0 <= op.beta1 < 1 and 0 <= op.beta2 < 1,
+            f"optim.beta1 and optim.beta2 must be in [0, 1), got {op.beta1}, {op.beta2}",
+        ),
+        (cfg.threads >= 0, f"threads must be >= 0 (0 = torch's default), got {cfg.threads}"),
+        (op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}"),
+        (op.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {op.max_grad_norm}"),
+        (op.epochs >= 1, f"optim.epochs must be >= 1, got {op.epochs}"),
+        (
+            1 <= op.mini_batches <= r.prompts_per_step,
+            f"optim.mini_batches must be in [1, rollout.prompts_per_step={r.prompts_per_step}], got {op.mini_batches}",
+        ),
+        (op.max_nonfinite >= 1, f"optim.max_nonfinite must be >= 1, got {op.max_nonfinite}"),
+        (op.micro_batch_size >= 0, f"optim.micro_batch_size must be >= 0, got {op.micro_batch_size}"),
+        (op.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0, got {op.micro_batch_tokens}"),
+        (
+            op.share_prefix in ("auto", "always", "never"),
+            f"optim.share_prefix must be auto, always or never, got {op.share_prefix!r}",
+        ),
+    ]
 
 
 def shuffle_mode(value) -> str:
@@ -274,41 +279,39 @@ def shuffle_mode(value) -> str:
     return {"true": "step", "false": "none"}.get(str(value).lower(), str(value))
 
 
-def check_run_values(cfg: DictConfig) -> None:
-    """Rewards, warm start, evaluation, logging and checkpoints."""
-    require(
-        0 <= cfg.reward.overlong_cache <= cfg.rollout.max_new_tokens,
-        f"reward.overlong_cache must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], "
-        f"got {cfg.reward.overlong_cache}",
-    )
-    require(
-        shuffle_mode(cfg.reward.shuffle) in ("none", "step", "group"),
-        f"reward.shuffle must be none, step or group (true = step), got {cfg.reward.shuffle!r}",
-    )
-    require(
-        cfg.reward.combine in ("sum", "normalise"),
-        f"reward.combine must be 'sum' or 'normalise', got {cfg.reward.combine!r}",
-    )
-    require(cfg.reward.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {cfg.reward.timeout_s}")
-    ws = cfg.warm_start
-    require(ws.steps >= 0, f"warm_start.steps must be >= 0, got {ws.steps}")
-    require(
-        ws.batch_size >= 1 and ws.lr > 0,
-        f"warm_start.batch_size must be >= 1 and warm_start.lr > 0, got {ws.batch_size}, {ws.lr}",
-    )
-    require(cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}")
-    require(cfg.eval.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0")
-    require(cfg.eval.batch_size >= 1, f"eval.batch_size must be >= 1, got {cfg.eval.batch_size}")
-    require(cfg.eval.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {cfg.eval.samples}")
-    bad_k = [k for k in cfg.eval.pass_k if not (1 <= k <= cfg.eval.samples)]
-    require(not bad_k, f"eval.pass_k needs integers in [1, eval.samples={cfg.eval.samples}], got {bad_k}")
-    require(
-        not cfg.eval.max_new_tokens or cfg.eval.max_new_tokens >= 1,
-        f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {cfg.eval.max_new_tokens}",
-    )
-    require(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
-    for g in GROUPS:
-        require(cfg[g] is not None, f"no option chosen for group '{g}'")
+def run_checks(cfg: DictConfig) -> list[tuple[bool, str]]:
+    """(ok, refusal) of the rewards, warm start, evaluation, logging and checkpoints."""
+    rw, ws, ev = cfg.reward, cfg.warm_start, cfg.eval
+    bad_k = [k for k in ev.pass_k if not (1 <= k <= ev.samples)]
+    return [
+        (
+            0 <= rw.overlong_cache <= cfg.rollout.max_new_tokens,
+            f"reward.overlong_cache must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], "
+            f"got {rw.overlong_cache}",
+        ),
+        (
+            shuffle_mode(rw.shuffle) in ("none", "step", "group"),
+            f"reward.shuffle must be none, step or group (true = step), got {rw.shuffle!r}",
+        ),
+        (rw.combine in ("sum", "normalise"), f"reward.combine must be 'sum' or 'normalise', got {rw.combine!r}"),
+        (rw.timeout_s >= 0, f"reward.timeout_s must be >= 0, got {rw.timeout_s}"),
+        (ws.steps >= 0, f"warm_start.steps must be >= 0, got {ws.steps}"),
+        (
+            ws.batch_size >= 1 and ws.lr > 0,
+            f"warm_start.batch_size must be >= 1 and warm_start.lr > 0, got {ws.batch_size}, {ws.lr}",
+        ),
+        (cfg.samples_every >= 0, f"samples_every must be >= 0, got {cfg.samples_every}"),
+        (ev.every >= 0 and cfg.checkpoint.every >= 0, "eval.every and checkpoint.every must be >= 0"),
+        (ev.batch_size >= 1, f"eval.batch_size must be >= 1, got {ev.batch_size}"),
+        (ev.samples >= 0, f"eval.samples must be >= 0 (0 = greedy evaluation only), got {ev.samples}"),
+        (not bad_k, f"eval.pass_k needs integers in [1, eval.samples={ev.samples}], got {bad_k}"),
+        (
+            not ev.max_new_tokens or ev.max_new_tokens >= 1,
+            f"eval.max_new_tokens must be >= 1 (or 0 = rollout.max_new_tokens), got {ev.max_new_tokens}",
+        ),
+        (cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}"),
+        *((cfg[g] is not None, f"no option chosen for group '{g}'") for g in GROUPS),
+    ]
 
 
 def resolved(cfg: DictConfig) -> dict:

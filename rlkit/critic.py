@@ -9,8 +9,8 @@ from transformers import AutoModelForTokenClassification
 
 from rlkit import parallel
 from rlkit.components import Critic
-from rlkit.logprobs import trimmed_inputs
 from rlkit.refusals import require
+from rlkit.tensors import trimmed_inputs
 from rlkit.types import Rollout
 
 

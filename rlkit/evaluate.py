@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from rlkit.environments import episodes, generate
-from rlkit.logprobs import token_logprobs
+from rlkit.logprobs import demonstration_batch, token_logprobs
 from rlkit.metrics import by_difficulty, feature_metrics, hardest_third
 from rlkit.metrics import mean_or_none as mean
 
@@ -68,8 +68,6 @@ def probe_entropy(policy, tokenizer, task, batch_size: int) -> dict:
     demonstrations has no probe (an empty dict)."""
     if policy is None or task.demonstration is None:
         return {}
-    from rlkit.warm_start import demonstration_batch
-
     rows, rng, device = task.eval.to_list(), random.Random(0), next(policy.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):

@@ -52,10 +52,6 @@ def checked_advantages(estimator, rollout, values=None) -> tuple[torch.Tensor, t
     return adv, returns
 
 
-def finite(*xs) -> bool:
-    return all(bool(torch.isfinite(torch.as_tensor(x)).all()) for x in xs)
-
-
 def all_finite(model: torch.nn.Module) -> bool:
     """Whether this process's parameters (its shards, when sharded) are all finite."""
     return all(bool(torch.isfinite(parallel.local(p)).all()) for p in model.parameters())

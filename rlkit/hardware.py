@@ -1,5 +1,6 @@
 """What decides a run's float rounding (the CPU, the kernels torch, MKL and oneDNN chose for it, the
-versions and threads), recorded in every run.json, and the portable mode that pins those kernels."""
+versions and threads), recorded in every run.json, and the portable mode that pins those kernels (checked by
+`rlkit.preflight.check_portable`)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,10 @@ from pathlib import Path
 
 import torch
 
-from rlkit.refusals import ConfigError
-
 # What `portable=true` pins before torch starts: ATen's vectorised kernels, MKL's BLAS (conditional
 # numerical reproducibility) and oneDNN all to AVX2, the widest that most x86 machines of the last
 # decade run, so that every such machine runs the same kernels (threads must match too).
 PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-
-
-def check_portable(portable: bool) -> None:
-    pinned = all(os.environ.get(k) == v for k, v in PORTABLE_ENV.items())
-    if portable and not (pinned and torch.backends.cpu.get_cpu_capability() == "AVX2"):
-        raise ConfigError(
-            f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels with "
-            f"{', '.join(f'{k}={os.environ.get(k)}' for k in PORTABLE_ENV)} (the CPU lacks AVX2, or "
-            f"the pins were not set before torch started: give portable=true on the command line or "
-            f"set {' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())} in the environment)"
-        )
 
 
 def kernels() -> dict:

@@ -4,7 +4,7 @@ parts (`llama_family`, `causal_parts`), the layer pieces run outside the model's
 (normed projections with the model's rotary function, attention, residual adds), the training
 forward with each distinct prompt computed once (`shared_hidden`), and the decoder with
 pre-allocated KV buffers and fused projections (`LlamaDecoder`). Every other model goes through its own
-forward (`rlkit.logprobs.trimmed_inputs`, `rlkit.engines.decoders.HFForward`)."""
+forward (`rlkit.tensors.trimmed_inputs`, `rlkit.engines.decoders.HFForward`)."""
 
 from __future__ import annotations
 

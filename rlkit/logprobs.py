@@ -8,12 +8,14 @@ completion token is predicted."""
 from __future__ import annotations
 
 import heapq
+import random
 import sys
 
 import torch
 
+from rlkit.engines.kv_cache import encode_prompts
 from rlkit.llama import base_model, causal_parts, shared_hidden
-from rlkit.tensors import completion_width, positions
+from rlkit.tensors import completion_width, positions, trimmed_inputs
 from rlkit.types import Rollout
 
 
@@ -33,16 +35,13 @@ def pack(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
     return bins, offset, len(room)
 
 
-def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Prompt + completion without the padding columns that every row shares (leading prompt
-    columns, trailing completion columns), so no compute is spent on them. Positions come from
-    the mask, so trimming changes no row's numbers.  -> ids, mask, position ids [n, S'] and tc, the
-    completion columns kept"""
-    tc = completion_width(completion_mask)
-    p0 = int(prompt_mask.any(0).int().argmax()) if prompt_mask.any() else prompt_mask.shape[1] - 1
-    ids = torch.cat([prompt_ids[:, p0:], completion_ids[:, :tc]], 1)  # [n, S']
-    mask = torch.cat([prompt_mask[:, p0:], completion_mask[:, :tc]], 1)  # [n, S']
-    return ids, mask, positions(mask), tc
+def demonstration_batch(tokenizer, task, rows: list[dict], rng: random.Random):
+    """Each row's prompt followed by one of the task's right completions (`task.demonstration`,
+    drawn with `rng`) and EOS: the teacher-forced inputs of `token_logprobs`."""
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [r["prompt"] for r in rows])  # [B, Tp]
+    demos = [task.demonstration(r, rng) + tokenizer.eos_token for r in rows]
+    enc = tokenizer(demos, return_tensors="pt", padding=True, padding_side="right")
+    return prompt_ids, prompt_mask, enc["input_ids"], enc["attention_mask"]  # [B, Tp] x2, [B, Tc] x2
 
 
 def token_logprobs(

@@ -12,15 +12,15 @@ import sys
 import torch
 
 from rlkit import parallel
-from rlkit.batching import micro_batches, mini_batches, over_micro_batches
 from rlkit.critic import explained_variance
 from rlkit.environments import episodes, generate, turn_rewards
 from rlkit.evaluate import held_out
-from rlkit.guards import checked_advantages, finite
+from rlkit.guards import checked_advantages
 from rlkit.logprobs import rollout_logprobs
 from rlkit.metrics import generated_metrics, kept_metrics, mismatch_metrics, samples, update_metrics, weight_metrics
 from rlkit.rewards import correct, overlong_penalty, score, shuffled, step_reward_matrix
 from rlkit.state import Run
+from rlkit.tensors import finite
 from rlkit.types import Batch, LossInput, Rollout, UpdateStats
 
 # ---- 1. collect: P prompts from the sampler, G completions each from the engine, scored -------------------------
@@ -50,23 +50,22 @@ def make_rollout(run: Run, rows: list[dict]) -> Rollout:
     ep = episodes(parts.environment, rows)  # one multi-turn episode per row, run by the engine; None: single-turn
     with rt.timer("generate"):
         gen = generate(parts.engine, [r["prompt"] for r in rows], s.max_new_tokens, s.temperature, s.top_p, ep)
+    extra = turn_rewards(ep.each) if ep is not None else None  # [N] the environment's per-turn terms
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         rewards, by_fn = score(parts.task, parts.reward_fns, s.combine, rows, texts, G, timeout)  # [N], [N, K]
         right = correct(parts.reward_fns, rewards, by_fn).to(rt.device)  # [N] before any shuffling
-        extra = turn_rewards(ep.each) if ep is not None else None  # [N] the environment's per-turn terms
         rewards = rewards if extra is None else rewards + extra  # [N]
         rewards = shuffled(rewards, G, s.shuffle).to(rt.device)  # [N] the control: unrelated rewards
-        kept = dict(rows=rows, texts=texts, episodes=[] if ep is None else ep.each)
-        r = Rollout.from_generation(gen, G, rewards=rewards, reward_parts=by_fn, correct=right, **kept)
+        kept = dict(rows=rows, texts=texts, episodes=[] if ep is None else ep.each, reward_parts=by_fn, correct=right)
         if s.overlong_cache:
-            r.shaping = overlong_penalty(r.lengths, s.max_new_tokens, s.overlong_cache)  # [N]
+            lengths = gen.completion_mask.sum(-1)  # [N]
+            kept["shaping"] = overlong_penalty(lengths, s.max_new_tokens, s.overlong_cache)  # [N]
         if parts.advantage.needs_step_rewards:
             steps = parts.task.score_steps(rows, texts, timeout)
-            r.step_rewards, r.step_mask = step_reward_matrix(
-                steps, r.completion_ids, r.completion_mask, parts.tokenizer
-            )
-    return r
+            shape = gen.completion_ids, gen.completion_mask, parts.tokenizer
+            kept["step_rewards"], kept["step_mask"] = step_reward_matrix(steps, *shape)  # [N, Tc] each
+    return Rollout.from_generation(gen, G, rewards=rewards, **kept)
 
 
 # ---- 2. prepare: forwards needed before the update, then advantages ----------------------------------------------
@@ -76,18 +75,18 @@ def prepare(run: Run, rollout: Rollout) -> Batch:
     """The reference's and the old policy's log-probs and the critic's values where needed, then
     the advantages, the tokens trained on and the tokens selected."""
     parts, s, loss = run.parts, run.settings, run.parts.loss
-    rows = micro_batches(rollout, torch.arange(rollout.num_rows), s.micro_batch_size, s.micro_batch_tokens)
+    rows = rollout.micro_batches(torch.arange(rollout.num_rows), s.micro_batch_size, s.micro_batch_tokens)
 
     def forward(model, entropy: str = "none"):  # -> (logp, entropy) [N, Tc] each; (None, None) without a model
         if model is None:
             return None, None
-        return over_micro_batches(lambda r: logprobs(run, model, r, entropy), rollout, rows, outputs=2)
+        return rollout.over_micro_batches(lambda r: logprobs(run, model, r, entropy), rows, outputs=2)
 
     with run.runtime.timer("logprob"):
         ref_logp = forward(parts.ref)[0]  # [N, Tc]
-        old_model = parts.policy if needs_old_logprobs(run) else None  # None: the update's own, detached
+        old_model = parts.policy if s.old_logprobs else None  # None: the update's own, detached
         old_logp, entropy = forward(old_model, "metric" if loss.selects_tokens else "none")  # [N, Tc] each
-        values = over_micro_batches(parts.critic.values, rollout, rows) if parts.critic is not None else None  # [N, Tc]
+        values = rollout.over_micro_batches(parts.critic.values, rows) if parts.critic is not None else None  # [N, Tc]
     if loss.kl_in_reward:
         rollout.kl_penalty = loss.kl_penalty(old_logp, ref_logp)  # [N, Tc]
     adv, returns = checked_advantages(parts.advantage, rollout, values)  # [N, Tc] each
@@ -102,14 +101,6 @@ def logprobs(run: Run, model, rollout: Rollout, entropy: str) -> tuple:
     return rollout_logprobs(model, rollout, s.temperature, entropy, share=s.share_prefix)
 
 
-def needs_old_logprobs(run: Run) -> bool:
-    """Whether the old log-probs need a forward of their own: they come free from the update itself
-    unless the rollout is reused, the KL sits in the reward, the engine's numbers are not the
-    trainer's, or the loss selects tokens by their entropy."""
-    loss, reused = run.parts.loss, run.settings.epochs > 1 or run.settings.mini_batches > 1
-    return reused or loss.kl_in_reward or loss.selects_tokens or not run.parts.engine.exact_logprobs
-
-
 # ---- 3. update: epochs x mini-batches (by groups) x micro-batches; the critic on the same mini-batches ------------
 
 
@@ -121,13 +112,13 @@ def update(run: Run, batch: Batch) -> UpdateStats:
     stats = UpdateStats(skipped=parallel.any_rank(not finite(batch.adv)))
     parts.policy.train()
     with run.runtime.timer("update"):
-        for rows in [] if stats.skipped else mini_batches(batch.rollout, s.epochs, s.mini_batches):
+        for rows in [] if stats.skipped else batch.rollout.mini_batches(s.epochs, s.mini_batches):
             stats.skipped = not policy_step(run, batch, rows, stats)
             if stats.skipped:
                 break
             if parts.critic is not None:
-                picked = batch.rollout.select_rows(rows), batch.old_values[rows], batch.returns[rows], batch.mask[rows]
-                stats.value_losses.append(parts.critic.fit(*picked))
+                b = batch.select_rows(rows)
+                stats.value_losses.append(parts.critic.fit(b.rollout, b.old_values, b.returns, b.mask))
         if stats.grad_norms:  # the warm-up counts updates, not skipped steps
             parts.schedule.step()
             parts.engine.load_weights(parts.policy)
@@ -142,7 +133,7 @@ def policy_step(run: Run, batch: Batch, rows: torch.Tensor, stats: UpdateStats) 
     parts.optimizer.zero_grad(set_to_none=True)
     total, finite_loss = 0.0, True
     entropy_sums = torch.zeros(2)  # the selected tokens' entropy sum and count (adaptive coefficient)
-    for micro in micro_batches(batch.rollout, rows, s.micro_batch_size, s.micro_batch_tokens):
+    for micro in batch.rollout.micro_batches(rows, s.micro_batch_size, s.micro_batch_tokens):
         x, corrected = loss_input(run, batch, rows[micro])
         L, info = parts.loss(x)  # [m, Tc]
         loss = (L * weights[micro]).sum()
@@ -164,15 +155,12 @@ def policy_step(run: Run, batch: Batch, rows: torch.Tensor, stats: UpdateStats) 
 def loss_input(run: Run, batch: Batch, idx: torch.Tensor) -> tuple[LossInput, dict]:
     """Rows `idx` of the batch as the loss takes them: the policy's forward (with gradient) and the
     correction's weights, with the correction's statistics."""
-    parts = run.parts
-    r, adv, mask = batch.rollout.select_rows(idx), batch.adv[idx], batch.mask[idx]  # [m, Tc] each
-    logp, entropy = logprobs(run, parts.policy, r, "grad" if parts.loss.entropy_grad else "metric")  # [m, Tc] each
-    old = logp.detach() if batch.old_logp is None else batch.old_logp[idx]  # [m, Tc]
-    behaviour = old if r.behaviour_logp is None else r.behaviour_logp  # [m, Tc] what the engine sampled with
-    is_weight, corrected = parts.correction(logp.detach(), old, behaviour, adv, mask)  # [m, Tc]
-    ref = batch.ref_logp[idx] if batch.ref_logp is not None else None  # [m, Tc]
-    select = batch.select[idx] if batch.select is not None else None  # [m, Tc]
-    return LossInput(logp, old, adv, mask, ref, entropy, is_weight, select), corrected
+    parts, b = run.parts, batch.select_rows(idx)  # [m, Tc] each
+    logp, entropy = logprobs(run, parts.policy, b.rollout, "grad" if parts.loss.entropy_grad else "metric")  # [m, Tc]
+    old = logp.detach() if b.old_logp is None else b.old_logp  # [m, Tc]
+    behaviour = old if b.rollout.behaviour_logp is None else b.rollout.behaviour_logp  # [m, Tc] the engine's
+    is_weight, corrected = parts.correction(logp.detach(), old, behaviour, b.adv, b.mask)  # [m, Tc]
+    return LossInput(logp, old, b.adv, b.mask, b.ref_logp, entropy, is_weight, b.select), corrected
 
 
 def optimizer_step(run: Run, stats: UpdateStats, total: float, finite_loss: bool) -> bool:

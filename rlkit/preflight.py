@@ -1,11 +1,27 @@
-"""Checks of a run's inputs before it trains: every prompt encodable by the tokenizer, prompt plus
-budget within the model's context, and the rollout within the device's free memory."""
+"""Checks of a run's inputs before it trains: the kernels pinned when `portable=true` asks for it,
+every prompt encodable by the tokenizer, prompt plus budget within the model's context, and the
+rollout within the device's free memory."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from rlkit.hardware import PORTABLE_ENV
 from rlkit.refusals import ConfigError
+
+
+def check_portable(portable: bool) -> None:
+    """`portable=true` needs the kernels pinned to AVX2 before torch started (`PORTABLE_ENV`)."""
+    pinned = all(os.environ.get(k) == v for k, v in PORTABLE_ENV.items())
+    if portable and not (pinned and torch.backends.cpu.get_cpu_capability() == "AVX2"):
+        raise ConfigError(
+            f"portable=true: torch runs {torch.backends.cpu.get_cpu_capability()} kernels with "
+            f"{', '.join(f'{k}={os.environ.get(k)}' for k in PORTABLE_ENV)} (the CPU lacks AVX2, or "
+            f"the pins were not set before torch started: give portable=true on the command line or "
+            f"set {' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())} in the environment)"
+        )
 
 
 def check_encodable(tokenizer, splits: dict) -> None:

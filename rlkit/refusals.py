@@ -1,6 +1,7 @@
 """Refusals: the one error type for input rlkit cannot run (`ConfigError`, exit 2 with one line
-naming the key), `require` for a condition on a value, and the plugin checks `check_class`
-(before a class is built) and `check` (on what was built) against a kind of `rlkit.components`.
+naming the key), `require` for a condition on a value (`require_all` for a list of them, refused
+together), and the plugin checks `check_class` (before a class is built) and `check` (on what was
+built) against a kind of `rlkit.components`.
 Every refusal of a config value, a component or a plugin raises through here. Imports nothing of
 torch, so the command line can refuse before loading it."""
 
@@ -15,6 +16,13 @@ def require(ok: bool, message: str) -> None:
     """Raise `ConfigError(message)` unless `ok`."""
     if not ok:
         raise ConfigError(message)
+
+
+def require_all(checks: list[tuple[bool, str]]) -> None:
+    """Raise one `ConfigError` naming every check `(ok, message)` that failed, in order."""
+    failed = [message for ok, message in checks if not ok]
+    if failed:
+        raise ConfigError("; ".join(failed))
 
 
 def methods(kind: type) -> set[str]:

@@ -15,9 +15,8 @@ from tqdm import tqdm
 
 from rlkit import atomic, checkpoint, parallel
 from rlkit.guards import NonFiniteError
-from rlkit.hardware import check_portable
-from rlkit.locks import check_writable
 from rlkit.loop import step
+from rlkit.preflight import check_portable
 from rlkit.rundir import RunDirLock
 from rlkit.setup import setup, validate
 from rlkit.signals import Preempted, StopSignals
@@ -45,7 +44,7 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None, locked: boo
 def run_steps(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, t0: float, locked: bool) -> dict:
     validated = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
     check_portable(cfg.portable)
-    check_writable(run_dir, "hydra.run.dir")
+    atomic.check_writable(run_dir, "hydra.run.dir")
     with (
         RunDirLock(run_dir) if rank == 0 and not locked else nullcontext(),
         StopSignals() as stop,

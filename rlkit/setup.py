@@ -36,7 +36,6 @@ from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.evaluate import held_out
 from rlkit.guards import NonFiniteGuard
 from rlkit.hardware import hardware
-from rlkit.locks import check_writable
 from rlkit.preflight import check_context, check_encodable, check_rollout_memory
 from rlkit.refusals import check, require
 from rlkit.sinks import NullLogger
@@ -246,7 +245,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
     evaluate once before training. `stop` (`StopSignals`) lets a signal end the warm start early."""
     c = validated or validate(cfg)
     if cfg.warm_start.steps:
-        check_writable(cfg.warm_start.cache_dir, "warm_start.cache_dir")
+        atomic.check_writable(cfg.warm_start.cache_dir, "warm_start.cache_dir")
     if cfg.threads or run_info.get("threads"):
         torch.set_num_threads(cfg.threads or run_info["threads"])
     rank = c.parallel.rank
@@ -254,7 +253,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
     parts, warm = build_parts(cfg, c, device, stop)
     seed_everything(cfg.seed + rank)  # ranks sample differently; rank 0 as a single process would
     runtime = Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite))
-    run = Run(cfg, parts, Settings.of(cfg), Progress(), runtime)
+    run = Run(cfg, parts, Settings.of(cfg, parts), Progress(), runtime)
     if rank == 0:  # it holds the directory's lock: temporary files there are of writers that died
         rundir.remove_stale_temporaries(run_dir)
     if rank == 0 and not cfg.checkpoint.resume:

@@ -91,10 +91,15 @@ class Settings:
     eval_every: int
     samples_every: int
     evaluation: dict  # `evaluate`'s options
+    old_logprobs: bool  # the old log-probs need a forward of their own (see `of`)
 
     @classmethod
-    def of(cls, cfg: DictConfig) -> Settings:
-        rollout, optim, reward, held_out = cfg.rollout, cfg.optim, cfg.reward, cfg.eval
+    def of(cls, cfg: DictConfig, parts: Parts) -> Settings:
+        """`old_logprobs`: the old log-probs come free from the update itself (detached) unless the
+        rollout is reused, the KL sits in the reward, the loss selects tokens by their entropy, or
+        the engine's numbers are not the trainer's."""
+        rollout, optim, reward, held_out, loss = cfg.rollout, cfg.optim, cfg.reward, cfg.eval, parts.loss
+        reused = optim.epochs > 1 or optim.mini_batches > 1
         return cls(
             steps=cfg.steps,
             group_size=rollout.group_size,
@@ -122,6 +127,7 @@ class Settings:
                 seed=held_out.seed,
                 pass_k=tuple(held_out.pass_k),
             ),
+            old_logprobs=reused or loss.kl_in_reward or loss.selects_tokens or not parts.engine.exact_logprobs,
         )
 
 

@@ -1,6 +1,7 @@
 """The floor of tensor helpers that components and the model paths share: groups, centring,
-sequence means, positions and widths. Imports nothing but torch; every other module may import it,
-so no component imports another component for a helper."""
+sequence means, positions, widths, inputs trimmed of shared padding, and the finiteness test.
+Imports nothing but torch; every other module may import it, so no component imports another
+component for a helper."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def completion_width(completion_mask: torch.Tensor) -> int:
     """Columns up to the last completion token any row has (at least 1).  [n, Tc] -> int"""
     used = completion_mask.any(0).nonzero()  # [k, 1]
     return int(used.max()) + 1 if len(used) else 1
+
+
+def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Prompt + completion without the padding columns that every row shares (leading prompt
+    columns, trailing completion columns), so no compute is spent on them. Positions come from
+    the mask, so trimming changes no row's numbers.  -> ids, mask, position ids [n, S'] and tc, the
+    completion columns kept"""
+    tc = completion_width(completion_mask)
+    p0 = int(prompt_mask.any(0).int().argmax()) if prompt_mask.any() else prompt_mask.shape[1] - 1
+    ids = torch.cat([prompt_ids[:, p0:], completion_ids[:, :tc]], 1)  # [n, S']
+    mask = torch.cat([prompt_mask[:, p0:], completion_mask[:, :tc]], 1)  # [n, S']
+    return ids, mask, positions(mask), tc
+
+
+def finite(*xs) -> bool:
+    """Whether every value of every tensor (or number) is finite."""
+    return all(bool(torch.isfinite(torch.as_tensor(x)).all()) for x in xs)

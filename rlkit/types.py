@@ -1,5 +1,6 @@
 """The data the phases pass along, on the ground floor (no rlkit imports): what an engine returns
-(`Generation`), a scored rollout (`Rollout`), a rollout prepared for the update (`Batch`), what
+(`Generation`), a scored rollout (`Rollout`, with how the update cuts it into mini- and
+micro-batches), a rollout prepared for the update (`Batch`), what
 a policy loss sees of one micro-batch (`LossInput`) and what the update did (`UpdateStats`).
 
 A `Rollout` holds P prompt groups of G completions each (N = P*G rows, group i is rows
@@ -108,6 +109,47 @@ class Rollout:
         """Keep whole groups, by group index."""
         return self.select_rows(self.group_rows(groups))
 
+    def mini_batches(self, epochs: int, n: int):
+        """Row indices of each mini-batch (one optimizer step each): whole groups, reshuffled every
+        epoch when n > 1.  -> [n_rows] each"""
+        for _ in range(epochs):
+            groups = torch.randperm(self.num_groups) if n > 1 else torch.arange(self.num_groups)
+            yield from (self.group_rows(mb) for mb in groups.chunk(n))
+
+    def micro_batches(self, rows: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
+        """`rows` in micro-batches of similar length, so that trimming each to its own longest row
+        (`rlkit.tensors.trimmed_inputs`) leaves little padding: sorted by prompt + completion length
+        and cut before a micro-batch passes `max_rows` rows or `max_tokens` padded tokens (0: no
+        limit). Returns positions in `rows`.  -> [m] each"""
+        if not max_rows and not max_tokens:  # one micro-batch, in the same (stable, by length) order
+            lengths = self.prompt_mask[rows].sum(-1) + self.completion_mask[rows].sum(-1)  # [n]
+            return [torch.argsort(lengths, stable=True).cpu()] if len(rows) else []
+        plen, clen = self.prompt_mask[rows].sum(-1).tolist(), self.completion_mask[rows].sum(-1).tolist()  # [n] each
+        out, cur, width = [], [], (0, 0)
+        for i in sorted(range(len(plen)), key=lambda i: plen[i] + clen[i]):
+            grown = (max(width[0], plen[i]), max(width[1], clen[i]))
+            if cur and (len(cur) == max_rows or max_tokens and (len(cur) + 1) * sum(grown) > max_tokens):
+                out.append(torch.tensor(cur))
+                cur, grown = [], (plen[i], clen[i])
+            cur.append(i)
+            width = grown
+        return out + [torch.tensor(cur)] if cur else out
+
+    @torch.no_grad()
+    def over_micro_batches(self, fn, micro: list[torch.Tensor], outputs: int = 1):
+        """fn over the micro-batches of rows `micro`, put back in row order; `outputs` > 1: fn
+        returns that many tensors (an output it does not compute, None, stays None).  -> [N, Tc] (each)"""
+        shape, device = self.completion_ids.shape, self.completion_ids.device
+        out = [torch.zeros(shape, device=device) for _ in range(outputs)]  # [N, Tc] each
+        for rows in micro:
+            res = fn(self.select_rows(rows))
+            for i, x in enumerate(res if outputs > 1 else (res,)):
+                if x is None:
+                    out[i] = None
+                elif out[i] is not None:
+                    out[i][rows] = x
+        return out if outputs > 1 else out[0]
+
     @staticmethod
     def cat(parts: list["Rollout"]) -> "Rollout":
         """Concatenate rollouts of the same group size, re-padding prompts left and completions right."""
@@ -145,6 +187,12 @@ class Batch:
     ref_logp: torch.Tensor | None  # None: no reference (beta = 0)
     old_values: torch.Tensor | None  # None: no critic
     select: torch.Tensor | None = None  # tokens the policy term acts on (the loss's top-entropy selection); None: all
+
+    def select_rows(self, idx: torch.Tensor) -> "Batch":
+        """The rows `idx` of the rollout and of every tensor (None stays None)."""
+        picked = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rollout"}
+        picked = {k: None if v is None else v[idx] for k, v in picked.items()}  # [m, Tc] each
+        return Batch(self.rollout.select_rows(idx), **picked)
 
 
 @dataclass

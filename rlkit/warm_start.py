@@ -17,11 +17,9 @@ import torch
 from tqdm import tqdm
 
 from rlkit import atomic
-from rlkit.atomic import staged
-from rlkit.engines.kv_cache import encode_prompts
+from rlkit.atomic import file_lock, staged
 from rlkit.hardware import kernels
-from rlkit.locks import file_lock
-from rlkit.logprobs import token_logprobs
+from rlkit.logprobs import demonstration_batch, token_logprobs
 from rlkit.signals import Preempted
 
 
@@ -33,13 +31,6 @@ def applies(cfg, task) -> bool:
 def cache_path(cache_dir: str, key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Path(os.path.expanduser(cache_dir)) / digest
-
-
-def demonstration_batch(tokenizer, task, rows: list[dict], rng: random.Random):
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, [r["prompt"] for r in rows])  # [B, Tp]
-    demos = [task.demonstration(r, rng) + tokenizer.eos_token for r in rows]
-    enc = tokenizer(demos, return_tensors="pt", padding=True, padding_side="right")
-    return prompt_ids, prompt_mask, enc["input_ids"], enc["attention_mask"]  # [B, Tp] x2, [B, Tc] x2
 
 
 def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: float, seed: int, stop=None) -> None:

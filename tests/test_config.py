@@ -56,6 +56,17 @@ def test_bad_values_are_named(override, message, tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_every_bad_value_is_named_in_one_refusal_and_a_non_finite_one_alone():
+    from rlkit.config import check_values
+
+    with pytest.raises(ConfigError) as e:
+        check_values(make_cfg(["optim.lr=0", "steps=0", "eval.batch_size=0"]))
+    assert str(e.value) == "steps must be >= 1, got 0; optim.lr must be > 0, got 0.0; eval.batch_size must be >= 1, got 0"
+    with pytest.raises(ConfigError) as e:  # not also "optim.lr must be > 0, got nan"
+        check_values(make_cfg(["optim.lr=nan", "steps=0"]))
+    assert str(e.value) == "optim.lr must be a finite number, got nan"
+
+
 @pytest.mark.slow
 def test_cli_reports_bad_input_without_a_traceback(tmp_path):
     out = subprocess.run(

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from rlkit.batching import micro_batches
 from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import _sample, encode_prompts, generate
 from rlkit.llama import LlamaDecoder, causal_parts
@@ -211,10 +210,10 @@ def test_micro_batches_cover_every_row_once_within_the_limits():
     rows = torch.tensor([3, 7, 1, 0, 12, 20, 21, 22, 5])
     plen, clen = r.prompt_mask.sum(-1), r.completion_mask.sum(-1)
     for max_rows, max_tokens in ((0, 0), (2, 0), (0, 40), (3, 30), (0, 1)):
-        parts = micro_batches(r, rows, max_rows, max_tokens)
+        parts = r.micro_batches(rows, max_rows, max_tokens)
         assert sorted(torch.cat(parts).tolist()) == list(range(len(rows)))
         for part in parts:
             idx = rows[part]
             assert not max_rows or len(part) <= max_rows
             assert not max_tokens or len(part) == 1 or len(part) * int(plen[idx].max() + clen[idx].max()) <= max_tokens
-    assert len(micro_batches(r, rows, 0, 0)) == 1
+    assert len(r.micro_batches(rows, 0, 0)) == 1

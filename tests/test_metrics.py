@@ -72,7 +72,7 @@ def test_evaluation_reports_greedy_and_sampled_accuracy_per_difficulty_on_a_fixe
 def test_the_probe_entropy_is_a_plain_forwards_mean_token_entropy_on_fixed_demonstrations():
     import random
 
-    from rlkit.warm_start import demonstration_batch
+    from rlkit.logprobs import demonstration_batch
 
     cfg = make_cfg(["task.n_train=64", "task.n_eval=12"])
     task = build(cfg, "task")

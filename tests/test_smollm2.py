@@ -13,7 +13,6 @@ from hydra import compose, initialize_config_module
 from cli import metrics  # without the timing keys
 from conftest import make_cfg
 from helpers import reprefilled
-from rlkit.batching import micro_batches, over_micro_batches
 from rlkit.config import build
 from rlkit.engines.kv_cache import generate
 from rlkit.engines.turns import reply_ids
@@ -83,10 +82,10 @@ def test_training_logprobs_equal_a_plain_unbatched_forward(smol, prompts):
         shared, _ = token_logprobs(policy, *args, share="always")
         split = torch.cat([token_logprobs(policy, *(a[i : i + 1] for a in args))[0] for i in range(len(prompts))])
         rollout = Rollout.from_generation(out, 1)  # the update's path: micro-batches of <= 2 rows, by length
-        micro = over_micro_batches(
-            lambda r: rollout_logprobs(policy, r)[0], rollout, micro_batches(rollout, torch.arange(3), 2, 0)
+        micro = rollout.over_micro_batches(
+            lambda r: rollout_logprobs(policy, r)[0], rollout.micro_batches(torch.arange(3), 2, 0)
         )
-        assert len(micro_batches(rollout, torch.arange(3), 2, 0)) == 2
+        assert len(rollout.micro_batches(torch.arange(3), 2, 0)) == 2
         for i in range(len(prompts)):
             p = out.prompt_ids[i][out.prompt_mask[i].bool()]
             c = out.completion_ids[i][out.completion_mask[i].bool()]
