@@ -1,5 +1,7 @@
-"""Non-finite numbers: advantages checked before the update, a step whose loss or gradient is not
-finite skipped, and a run stopped after too many such steps in a row (`NonFiniteGuard`)."""
+"""Guards of the update: the advantage estimator's output checked (type and shape) before it is
+used, a run stopped after too many updates in a row skipped for a non-finite advantage, loss or
+gradient norm (`NonFiniteGuard`; the loop skips them), and no non-finite parameters written to a
+checkpoint (`all_finite`)."""
 
 from __future__ import annotations
 

@@ -90,3 +90,20 @@ def test_multi_turn_benchmark_runs(capsys, monkeypatch):
     load("bench_multi_turn").main()
     out = capsys.readouterr().out
     assert "single-turn: 48 tokens" in out and "the tool's" in out and "ratio" in out
+
+
+def test_the_call_path_counts_files_and_distinct_moves_by_hand():
+    """a calls b, then c, then b again (and a frame outside rlkit, which is not followed): the
+    innermost rlkit file runs a b a c a b a, so 3 files, 7 moves, 4 distinct ones (a->b, b->a,
+    a->c, c->a; the first entry comes from outside and is no move between files)."""
+    from types import SimpleNamespace
+
+    bench = load("call_path")
+    trail = bench.Trail()
+    frame = {name: SimpleNamespace(f_code=SimpleNamespace(co_filename=f"{bench.ROOT}/{name}.py")) for name in "abc"}
+    frame["outside"] = SimpleNamespace(f_code=SimpleNamespace(co_filename="/usr/lib/python3/os.py"))
+    events = "call a, call b, call outside, return outside, return b, call c, return c, call b, return b, return a"
+    for event, name in (e.split() for e in events.split(", ")):
+        trail(frame[name], event, None)
+    assert (len(trail.seen), trail.moves, len(trail.edges)) == (3, 7, 4)
+    assert trail.stack == []
