@@ -131,16 +131,36 @@ def norm(module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, module.weight.shape, module.weight, eps)
 
 
+def applied_weight(m) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The (weight [out, in], bias) a linear layer applies: a plain `nn.Linear`'s own, or a vanilla
+    LoRA layer's (peft, adapters on and not merged, no dropout active) with its adapters folded
+    in, W + scaling B A (the same map, to float rounding). None for anything else."""
+    if type(m) is torch.nn.Linear:
+        return m.weight, m.bias
+    base, active = getattr(m, "base_layer", None), getattr(m, "active_adapters", [])
+    if type(base) is not torch.nn.Linear or m.disable_adapters or m.merged or m.fan_in_fan_out:
+        return None
+    active = [a for a in active if a in m.lora_A]
+    for a in active:
+        variant = a in getattr(m, "lora_variant", {}) or m.lora_B[a].bias is not None  # DoRA, a LoRA bias
+        if variant or (m.training and type(m.lora_dropout[a]) is not torch.nn.Identity):
+            return None
+    return base.weight + sum(m.get_delta_weight(a) for a in active), base.bias
+
+
+@torch.no_grad()
 def fused(*linears):
-    """One projection computing several plain `nn.Linear`s side by side (outputs concatenated),
-    with the weight copied input-major, which small-batch matmuls on a CPU run faster on. On a GPU
-    (where a copy of a large model's weights would not fit and cuBLAS needs none) and for anything
-    else (a LoRA layer) each module runs itself."""
-    if all(type(m) is torch.nn.Linear for m in linears) and linears[0].weight.device.type == "cpu":
-        weight = torch.cat([m.weight for m in linears]).t().contiguous()  # [in, sum out]
-        if linears[0].bias is None:
+    """One projection computing several linear layers side by side (outputs concatenated), with
+    the weight they apply (`applied_weight`: LoRA adapters folded in) copied input-major, which
+    small-batch matmuls on a CPU run faster on. On a GPU (where a copy of a large model's weights
+    would not fit and cuBLAS needs none) and for anything else each module runs itself."""
+    applied = [applied_weight(m) for m in linears]
+    plain = all(a is not None for a in applied) and len({a[1] is None for a in applied}) == 1
+    if plain and applied[0][0].device.type == "cpu":
+        weight = torch.cat([w for w, _ in applied]).t().contiguous()  # [in, sum out]
+        if applied[0][1] is None:
             return lambda x: x @ weight
-        bias = torch.cat([m.bias for m in linears])  # [sum out]
+        bias = torch.cat([b for _, b in applied])  # [sum out]
         return lambda x: torch.addmm(bias, x.flatten(0, -2), weight).view(*x.shape[:-1], -1)
     return lambda x: torch.cat([m(x) for m in linears], -1)
 

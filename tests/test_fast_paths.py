@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import _sample, encode_prompts, generate
-from rlkit.llama import LlamaDecoder, causal_parts
+from rlkit.llama import LlamaDecoder, applied_weight, causal_parts
 from rlkit.logprobs import pack, token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
 from rlkit.tasks.arithmetic import ALPHABET
@@ -94,13 +94,29 @@ def test_llama_and_generic_decoders_sample_the_same_tokens_from_the_same_seed():
 
 def test_sampling_draws_from_the_softmax():
     torch.manual_seed(0)
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).expand(40000, -1)  # [N, V]
-    freq = torch.bincount(_sample(logits, 0.7, 1.0), minlength=5).float() / 40000
+    inf = float("-inf")
+    logits = torch.tensor([[2.0, inf, 1.0, 0.0, -1.0, inf]]).expand(40000, -1)  # [N, V] zeros inside and at the end
+    freq = torch.bincount(_sample(logits, 0.7, 1.0), minlength=6).float() / 40000
     want = torch.softmax(logits[0] / 0.7, -1)
-    assert torch.allclose(freq, want, atol=0.01) and freq[4] == 0
-    nucleus = torch.bincount(_sample(logits, 1.0, 0.7), minlength=5).float() / 40000  # {0, 1} hold 0.88 > 0.7
-    p = torch.softmax(logits[0], -1)[:2]
-    assert torch.allclose(nucleus[:2], p / p.sum(), atol=0.01) and nucleus[2:].sum() == 0
+    assert torch.allclose(freq, want, atol=0.01) and freq[1] == 0 and freq[5] == 0
+    nucleus = torch.bincount(_sample(logits, 1.0, 0.7), minlength=6).float() / 40000  # {0, 2} hold 0.88 > 0.7
+    p = torch.softmax(logits[0], -1)[[0, 2]]
+    assert torch.allclose(nucleus[[0, 2]], p / p.sum(), atol=0.01) and nucleus[[1, 3, 4, 5]].sum() == 0
+
+
+def test_sampling_keeps_each_share_over_a_real_vocabulary():
+    """SmolLM2's 49,152 entries: a token of share 0.05 placed last and one of 0.3 in the middle are
+    drawn at their rates (within 4 standard errors over 4,096 draws), the flat rest at its own."""
+    V, n = 49152, 128 * 32
+    p = torch.full((V,), 0.65 / (V - 2))
+    p[V // 2], p[-1] = 0.3, 0.05
+    torch.manual_seed(1)
+    draws = torch.cat([_sample(p.log().expand(128, -1), 1.0, 1.0) for _ in range(32)])  # [n]
+    freq = torch.bincount(draws, minlength=V).double() / n
+    for i in (V // 2, V - 1):
+        assert abs(freq[i] - p[i]) < 4 * (p[i] * (1 - p[i]) / n) ** 0.5
+    rest = 1 - freq[V // 2] - freq[-1]
+    assert abs(rest - 0.65) < 4 * (0.65 * 0.35 / n) ** 0.5
 
 
 def test_min_new_tokens_suppresses_eos_until_then():
@@ -201,6 +217,36 @@ def test_packed_log_probs_under_lora_and_for_the_adapters_off_reference():
         off, on = token_logprobs(ref, *args)[0], token_logprobs(lora, *args)[0]
     m = g.completion_mask.bool()
     assert torch.allclose(off[m], base[m], atol=1e-5) and not torch.allclose(on[m], base[m], atol=1e-3)
+
+
+def test_the_decoder_folds_lora_adapters_into_its_weights_and_decodes_what_the_peft_model_does():
+    """Decoding a LoRA policy runs one matmul per fused projection with W + scaling B A: the same
+    greedy tokens as `model.generate` through peft's layers, the same logits to float rounding;
+    adapters turned off, the base model's."""
+    model, tok = tiny_qwen2()
+    base_logits = decoder(model, *encode_prompts(tok, PROMPTS), 4).prefill()  # [N, V] before the adapters go in
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0))
+    for p in (p for n, p in lora.named_parameters() if "lora_B" in n):
+        torch.nn.init.normal_(p, std=0.3)  # adapters that change the output
+    lora.eval()
+    adapted = [m for m in lora.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    x = torch.randn(5, 32)
+    for m in adapted:  # each LoRA layer as one weight
+        weight, bias = applied_weight(m)
+        assert torch.allclose(torch.nn.functional.linear(x, weight, bias), m(x), atol=1e-6)
+    assert len(adapted) == 6 and not torch.allclose(adapted[0](x), adapted[0].base_layer(x), atol=1e-2)
+    dec = decoder(lora, *encode_prompts(tok, PROMPTS), 4)
+    ids, mask = encode_prompts(tok, PROMPTS)
+    with torch.no_grad():
+        want = lora(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1]  # [N, V]
+    got = dec.prefill()  # [N, V]
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(got, base_logits, atol=1e-2)
+    greedy = generate(lora, tok, PROMPTS, 12, temperature=0)
+    ours = greedy.completion_ids.masked_fill(greedy.completion_mask == 0, tok.pad_token_id)  # [N, T]
+    theirs = reference_greedy(lora, tok, PROMPTS, 12)
+    assert torch.equal(ours, theirs.masked_fill(ours == tok.pad_token_id, tok.pad_token_id))
+    with lora.disable_adapter():
+        assert torch.allclose(decoder(lora, *encode_prompts(tok, PROMPTS), 4).prefill(), base_logits, atol=1e-6)
 
 
 def test_micro_batches_cover_every_row_once_within_the_limits():

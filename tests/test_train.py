@@ -126,7 +126,8 @@ def test_the_shuffled_reward_control_permutes_the_steps_rewards(fast_cfg, tmp_pa
     logs = {}
     for shuffle in ("none", "true", "group"):  # true: the older spelling of step
         d = tmp_path / shuffle
-        run(fast_cfg("steps=1", f"reward.shuffle={shuffle}", "samples_every=1"), str(d))
+        # 8 groups, 16 completions in the sample table: 4 to 11 of them got another's reward at seeds 0-5
+        run(fast_cfg("steps=1", f"reward.shuffle={shuffle}", "samples_every=1", "rollout.prompts_per_step=8"), str(d))
         logs[shuffle] = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()][1]
         logs[shuffle, "samples"] = json.loads((d / "samples.jsonl").read_text().splitlines()[0])["samples"]
 

@@ -3,7 +3,8 @@
 `rlkit.llama.LlamaDecoder` runs Llama-family decoder stacks (llama, qwen2, qwen3, mistral without a
 sliding window) through their own modules (norms, projections, MLPs, rotary table) but with its
 own attention glue: one pre-allocated KV buffer per layer, a pre-built padding mask that is
-sliced rather than rebuilt, rotary angles looked up from a table, fused projections. That is
+sliced rather than rebuilt, rotary angles looked up from a table, fused projections (a LoRA
+policy's adapters folded into their weights for the call). That is
 about 30 operations per layer and step instead of the ~230 of the generic forward. Every other
 model goes through `HFForward`, the model's own forward with a `DynamicCache`. Both give the
 model's logits (tested against `model.generate`); `rlkit.engines.kv_cache.generate` drives either.

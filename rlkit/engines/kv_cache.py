@@ -62,17 +62,21 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus."""
+    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus: one
+    uniform draw per row placed on the running sum of the probabilities (inverse CDF), summed in
+    float64 so that a tail token's share is kept to its last digits over a 50k vocabulary."""
     if temperature == 0:
         return logits.argmax(-1)  # [N]
     probs = torch.softmax(logits / temperature, -1)  # [N, V]
+    order = None
     if top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)  # [N, V]
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # [N, V] keep the smallest prefix with mass >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i (no sort, no cumsum)
-    return (probs / torch.empty_like(probs).exponential_().clamp_(min=1e-30)).argmax(-1)  # [N]
+        probs, order = probs.sort(-1, descending=True)  # [N, V] each
+        drop = probs.cumsum(-1) - probs > top_p  # [N, V] keep the smallest prefix with mass >= top_p
+        probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [N, 1] in [0, total)
+    tok = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)  # [N, 1] first entry past u
+    return (tok if order is None else order.gather(-1, tok)).squeeze(-1)  # [N]
 
 
 def prefill(model, tokenizer, prompts: list[str], max_new_tokens: int, fast: bool = True):
