@@ -1,14 +1,18 @@
 """One rlkit step on SmolLM2-135M-Instruct, timed by phase with its FLOP count, against the same
 step of another revision measured in the same run.
 
-Two settings, both fixed length (EOS suppressed, so each side generates the same number of tokens
-whatever it samples), 4 prompts x 8 completions, beta 0.04, 2 threads:
+Two settings on `--model` (default smollm2), both fixed length (EOS suppressed, so each side
+generates the same number of tokens whatever it samples), 4 prompts x 8 completions, beta 0.04,
+2 threads:
 
 - `full`: full fine-tuning, 24 tokens, temperature 1, lr 1e-5;
 - `lora`: the studies' model settings: LoRA rank 8 on every linear layer, 48 tokens, temperature
   0.7, lr 1e-4.
 
     python benchmarks/bench_step.py --setting full --against 0bce8d8 --rounds 4
+
+(`--model` and `--extra` change the model and add overrides for both sides; the tests run it on
+the tiny model.)
 
 With `--against REV` the script checks that revision out into a temporary git worktree and runs
 a second worker on REV's rlkit after the first, on this checkout's, has finished (two full
@@ -34,21 +38,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SETTINGS = {
-    "full": dict(overrides=["model=smollm2", "optim.lr=1e-5"], tokens=24, lora=False),
-    "lora": dict(
-        overrides=["model=smollm2", "model.lora_r=8", "optim.lr=1e-4", "rollout.temperature=0.7"], tokens=48, lora=True
-    ),
+    "full": dict(overrides=["optim.lr=1e-5"], tokens=24, lora=False),
+    "lora": dict(overrides=["model.lora_r=8", "optim.lr=1e-4", "rollout.temperature=0.7"], tokens=48, lora=True),
 }
 PROMPTS, GROUP = 4, 8
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- the worker: one side's state, answering the parent's requests -------------------------------------------------
 
 
-def worker(setting: str, check_path: str) -> None:
+def worker(setting: str, check_path: str, overrides: list[str]) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -61,7 +65,7 @@ def worker(setting: str, check_path: str) -> None:
 
     torch.set_num_threads(2)
     s = SETTINGS[setting]
-    run = rlkit_state(s["overrides"], tempfile.mkdtemp(), PROMPTS, GROUP, s["tokens"], fixed=True)
+    run = rlkit_state(s["overrides"] + overrides, tempfile.mkdtemp(), PROMPTS, GROUP, s["tokens"], fixed=True)
     prompts = [r["prompt"] for r in list(run.parts.task.train)[:PROMPTS] for _ in range(GROUP)]
     gen = generate(run.parts.policy, run.parts.tokenizer, prompts, s["tokens"], 0.0, 1.0, s["tokens"])
     prompt = float(gen.prompt_mask.sum(-1).float().mean())  # the task's prompts are about this long
@@ -108,14 +112,16 @@ def flops(config, prompt: float, tokens: int, lora: bool) -> dict:
 
 
 class Side:
-    def __init__(self, name: str, root: str | None, setting: str, log):
+    def __init__(self, name: str, root: str | None, setting: str, overrides: list[str], log):
         env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline", WANDB_SILENT="true")
         if root is not None:
             env["PYTHONPATH"] = root
         self.name, self.check = name, tempfile.mktemp(suffix=".pt")
-        cmd = [sys.executable, __file__, "--worker", setting, self.check]
+        cmd = [sys.executable, __file__, "--worker", setting, self.check, *overrides]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         self.info = self.read()
+        if root is not None and not self.info["rlkit"].startswith(root):
+            raise SystemExit(f"bench_step: the {name} worker imported {self.info['rlkit']}, not the worktree's rlkit")
         self.read()  # the check is written
         self.phases: list[dict] = []
 
@@ -138,7 +144,7 @@ class Side:
 def worktree(rev: str) -> str:
     """REV checked out into a temporary worktree, its config groups where the package looks for them."""
     path = tempfile.mkdtemp(prefix="rlkit-bench-")
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", path, rev], check=True)
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", path, rev], check=True, cwd=REPO)
     os.symlink("../conf", os.path.join(path, "rlkit", "conf"))
     return path
 
@@ -169,22 +175,39 @@ def table(sides: list[Side], flops: dict, warmup: int) -> None:
         print(f"\nstep time {sides[0].name} / {sides[1].name}: {summaries[0]['step'] / summaries[1]['step']:.2f}")
 
 
+def fp32_rate(m: int = 1536, k: int = 576, n: int = 1536, repeats: int = 10) -> float:
+    """This machine's fp32 matmul rate (GFLOPS, 2 threads) at the shape of the update's MLP products:
+    the peer the step's rates are read against."""
+    import torch
+
+    torch.set_num_threads(2)
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * m * k * n * repeats / (time.perf_counter() - t0) / 1e9
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        return worker(sys.argv[2], sys.argv[3])
+        return worker(sys.argv[2], sys.argv[3], sys.argv[4:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--setting", choices=sorted(SETTINGS), default="full")
     ap.add_argument("--against", help="a git revision to time beside this checkout")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--model", default="smollm2", help="a config of the model group")
+    ap.add_argument("--extra", nargs="*", default=[], help="more config overrides, for both sides")
     a = ap.parse_args()
+    overrides = [f"model={a.model}", *a.extra]
     root = worktree(a.against) if a.against else None
     log = open(tempfile.mktemp(prefix="bench_step-", suffix=".log"), "w")
     print(f"setting {a.setting}; workers' output in {log.name}; load average {open('/proc/loadavg').read().strip()}")
     try:
         sides = []
         for name, path in [("this checkout", None)] + ([(a.against, root)] if root else []):
-            side = Side(name, path, a.setting, log)  # one at a time: two full fine-tunings do not fit in 24 GiB
+            side = Side(name, path, a.setting, overrides, log)  # one at a time: two fine-tunings do not fit in 24 GiB
             for _ in range(a.rounds):
                 side.step()
             side.proc.kill()
@@ -193,10 +216,11 @@ def main() -> None:
             print(json.dumps(compare_checks(sides[0].check, sides[1].check), indent=1))
         table(sides, sides[0].info["flops"], a.warmup)
         print(f"FLOPs per step: {json.dumps({k: f'{v / 1e9:.0f} G' for k, v in sides[0].info['flops'].items()})}")
+        print(f"fp32 matmul [1536, 576] x [576, 1536] on this machine: {fp32_rate():.0f} GFLOPS")
         print(f"load average after: {open('/proc/loadavg').read().strip()}")
     finally:
         if root:
-            subprocess.run(["git", "worktree", "remove", "--force", root], check=False)
+            subprocess.run(["git", "worktree", "remove", "--force", root], check=False, cwd=REPO)
 
 
 if __name__ == "__main__":

@@ -57,30 +57,30 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens. No compute is spent on padding: Llama-family models
     run on packed rows (`packed_hidden`), others on the micro-batch trimmed to its longest row
-    (`trimmed_inputs`); logits are computed only where a completion token is predicted and never
-    as a full-vocabulary log-softmax over the sequence. `entropy`: "none", "metric" (no gradient)
+    (`trimmed_inputs`); logits are computed only where a completion token is predicted (for the
+    Llama family from the hidden state divided by the temperature, a [K, H] division instead of a
+    [K, V] one) and go through one log-softmax. `entropy`: "none", "metric" (no gradient)
     or "grad" (for an entropy bonus). Returns logp [N, Tc] and entropy [N, Tc] or None (zeros on
     padding)."""
     parts = causal_parts(model) if packed else None
     shared = shares_prefix(model, prompt_ids, prompt_mask, completion_mask, share)
+    scale = 1.0 if temperature in (0, 1) else 1.0 / temperature
     if parts is not None:
         forward = shared_hidden if shared else packed_hidden
         hidden, where = forward(*parts, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [K, H]
-        logits = parts[1](hidden).float()  # [K, V]
+        logits = parts[1](hidden * scale if scale != 1 else hidden).float()  # [K, V] z/T = (h/T) W^T: no bias
     else:
         ids, mask, pos, tc = trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        logits = (
-            model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=tc + 1).logits[:, :-1].float()
-        )  # [N, tc, V]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=tc + 1).logits
+        logits = logits[:, :-1].float()  # [N, tc, V]
+        logits = logits * scale if scale != 1 else logits
         where = (slice(None), slice(0, tc))
-    if temperature not in (0, 1):
-        logits = logits / temperature
-    lse = logits.logsumexp(-1)  # [K] or [N, tc]
-    logp = logits.gather(-1, completion_ids[where].unsqueeze(-1)).squeeze(-1) - lse  # [K] or [N, tc]
+    logp_all = logits.log_softmax(-1)  # [K, V] or [N, tc, V] one fused pass, and one back
+    logp = logp_all.gather(-1, completion_ids[where].unsqueeze(-1)).squeeze(-1)  # [K] or [N, tc]
     if entropy == "none":
         return unpack(logp, where, completion_mask), None
     with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # [K] or [N, tc]
+        ent = -(logp_all.exp() * logp_all).sum(-1)  # [K] or [N, tc]
     return unpack(logp, where, completion_mask), unpack(ent, where, completion_mask)
 
 

@@ -1,6 +1,9 @@
 """The benchmark scripts run (tiny sizes; timings are printed, never asserted)."""
 
 import importlib.util
+import json
+import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,45 @@ def test_the_call_path_counts_files_and_distinct_moves_by_hand():
         trail(frame[name], event, None)
     assert (len(trail.seen), trail.moves, len(trail.edges)) == (3, 7, 4)
     assert trail.stack == []
+
+
+def test_the_step_benchmark_counts_flops_by_hand():
+    """One layer of width 32 (MLP 64, one 16-wide key-value head), 10 words, 4 prompts of 2 tokens
+    x 8 completions of 2: per token 18,432 FLOPs through the layer, 640 for the logits, 128 per
+    position attended."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        hidden_size=32, num_hidden_layers=1, vocab_size=10, intermediate_size=64, num_attention_heads=2
+    )
+    config.num_key_value_heads = 1
+    got = load("bench_step").flops(config, prompt=2, tokens=2, lora=False)
+    prompts = 4 * (2 * 18432 + 128 * 3)  # each position attends to itself and those before it
+    assert got["generate"] == prompts + 4 * 640 + 32 * (18432 + 640 + 128 * 3)
+    assert got["logprob"] == prompts + 32 * 2 * (18432 + 640 + 128 * 3.5)
+    assert got["update"] == 3 * got["logprob"]
+    assert load("bench_step").flops(config, prompt=2, tokens=2, lora=True)["update"] == 2 * got["logprob"]
+
+
+def test_the_step_benchmark_times_this_checkout_against_a_revision(tmp_path, monkeypatch, capsys):
+    """Both sides on the tiny model, the revision from a git worktree (removed after): the check
+    of greedy tokens, log-probs, loss, gradients and weights, then the table of both sides."""
+    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
+    extra = [*TINY, "warm_start.steps=0", "task.n_eval=4"]
+    argv = ["bench_step", "--model", "tiny", "--against", "HEAD", "--rounds", "2", "--extra", *extra]
+    monkeypatch.setattr("sys.argv", argv)
+    load("bench_step").main()
+    out = capsys.readouterr().out
+    check = json.loads(out[out.index("{") : out.index("}") + 1])
+    assert set(check) == {
+        "greedy tokens identical",
+        "reference log-probs",
+        "loss",
+        "gradients",
+        "weights after the step",
+        "tensors compared",
+    }
+    assert check["tensors compared"] > 0 and all(math.isfinite(v) for v in check.values())
+    assert "| this checkout |" in out and "| HEAD |" in out and "step time this checkout / HEAD" in out
+    worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, check=True).stdout
+    assert "rlkit-bench-" not in worktrees
