@@ -17,6 +17,7 @@ from rlkit import atomic, checkpoint, parallel
 from rlkit.guards import NonFiniteError
 from rlkit.loop import step
 from rlkit.preflight import check_portable
+from rlkit.refusals import ConfigError
 from rlkit.rundir import RunDirLock
 from rlkit.setup import setup, validate
 from rlkit.signals import Preempted, StopSignals
@@ -29,20 +30,24 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None, locked: boo
     (`rlkit-train` takes it before Hydra writes there); else rank 0 takes it here."""
     t0 = time.perf_counter()
     rank, world = parallel.init(cfg.device)
-    agreed = False  # whether every rank ends here the same way (finished, or stopped after the same step)
+    agreed, validated = False, None  # agreed: every rank ends here the same way
     try:
-        summary = run_steps(cfg, run_dir, run_info or {}, rank, world, t0, locked)
+        validated = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
+        summary = run_steps(cfg, validated, run_dir, run_info or {}, t0, locked)
         agreed = True
         return summary
     except (Preempted, NonFiniteError):  # decided on every rank after the same step
         agreed = True
         raise
+    except ConfigError:  # the config's own checks refuse it on every rank alike, each past writing its Hydra files
+        agreed = validated is None
+        raise
     finally:
-        parallel.close(agreed)
+        parallel.close(agreed)  # agreed: after a barrier, so rank 0 undoes a refused run's traces once all are written
 
 
-def run_steps(cfg: DictConfig, run_dir: str, run_info: dict, rank: int, world: int, t0: float, locked: bool) -> dict:
-    validated = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
+def run_steps(cfg: DictConfig, validated, run_dir: str, run_info: dict, t0: float, locked: bool) -> dict:
+    rank = validated.parallel.rank
     check_portable(cfg.portable)
     atomic.check_writable(run_dir, "hydra.run.dir")
     with (

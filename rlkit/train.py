@@ -135,9 +135,9 @@ def stop(e: BaseException, claim: rundir.Claim | None):
     code, line = ended
     print(line, file=sys.stderr)
     if code == EXIT_BAD_INPUT and claim is not None and not isinstance(e, rundir.RunDirInUse):
-        claim.undo()
-    if code == 1:
-        time.sleep(PEER_GRACE_S)  # let the failing process exit first, so the launcher reports its own code
+        claim.undo()  # rank 0's part; the others wait, as the launcher stops every rank once one has ended
+    if code == 1 or (code == EXIT_BAD_INPUT and parallel.launch_rank() > 0):
+        time.sleep(PEER_GRACE_S)  # let the failing process (or rank 0, undoing) exit first
     sys.exit(code)
 
 

@@ -94,6 +94,16 @@ def test_effect_size_interval_inverts_the_noncentral_t_and_is_near_the_normal_ap
     assert lo == pytest.approx(1 - half, abs=0.05) and hi == pytest.approx(1 + half, abs=0.05)
 
 
+def test_effect_size_interval_of_two_pairs_far_from_zero_is_found():
+    """Two pairs whose difference is 30 sd: t = 42.4 on 1 degree of freedom, whose tails are so heavy
+    that the interval for the noncentrality reaches past t +- (10 + t)."""
+    d, lo, hi = effect_size(30.0, 1.0, 2, paired=True)
+    t = 30 * math.sqrt(2)
+    assert sps.nct.cdf(t, 1, lo * math.sqrt(2)) == pytest.approx(0.975, abs=1e-6)
+    assert sps.nct.cdf(t, 1, hi * math.sqrt(2)) == pytest.approx(0.025, abs=1e-6)
+    assert d == 30.0 and lo < 30.0 and hi * math.sqrt(2) > t + 10 + t
+
+
 def test_pilot_spread_is_inflated_and_equivalence_seeds_reach_their_power():
     # upper 80% limit of an sd from 5 values: sqrt(4 / chi2_0.2(4)) = sqrt(4 / 1.64878) = 1.55757
     assert inflated_sd(1.0, 5) == pytest.approx(1.55757, abs=1e-4)

@@ -322,14 +322,16 @@ def test_every_declared_study_loads_and_its_arms_compose(study):
         assert cfg.steps >= 1
 
 
-TINY = """claim: Dr. GRPO raises the reward faster than GRPO on the tiny testbed.
+# the primary is a metric the two arms always differ on (their advantages' scales differ), so the pilot's
+# differences spread and the planned count passes the cap of 2 whatever the runs sample
+TINY = """claim: Dr. GRPO's updates are larger than GRPO's on the tiny testbed.
 source: the test
 config: {config}
 arms:
   grpo: [algo=grpo]
   dr_grpo: [algo=dr_grpo]
 baseline: grpo
-primary: {{metric: train/reward, aggregate: "last:2", direction: higher, smallest_effect: 0.01}}
+primary: {{metric: train/grad_norm, aggregate: "last:2", direction: higher, smallest_effect: 0.01}}
 secondary:
   - {{metric: eval/accuracy, aggregate: "last:2"}}
 engagement: {{metric: train/frac_zero_std_groups, aggregate: "last:2", at_most: 1.0}}
@@ -381,7 +383,7 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
     assert (
         "### Verdict, dr_grpo against grpo: " in readme and "| grpo | 2 |" in readme and done.stdout.strip() in readme
     )
-    assert (folder / "results" / "train_reward.png").exists()
+    assert (folder / "results" / "train_grad_norm.png").exists()
     monkeypatch.chdir(tmp_path)  # the command as a user types it, in this process (its refusals and analysis)
     assert study_main(["tiny", "--analyse-only"]) == 0 and (folder / "README.md").read_text() == readme  # one command
     capsys.readouterr()

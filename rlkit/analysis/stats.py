@@ -147,7 +147,10 @@ def effect_size(diff: float, sd: float, n: int, paired: bool, alpha: float = 0.0
         return v if not math.isnan(v) else (0.0 if nc > t else 1.0)
 
     def nc_at(q: float) -> float:  # the noncentrality whose distribution puts t at quantile q
-        return optimize.brentq(lambda nc: cdf(nc) - q, t - 10 - abs(t), t + 10 + abs(t))
+        width = 10 + abs(t)
+        while cdf(t + width) > q or cdf(t - width) < q:  # cdf falls in nc; few pairs: heavy tails, a wide bracket
+            width *= 2
+        return optimize.brentq(lambda nc: cdf(nc) - q, t - width, t + width)
 
     return diff / sd, nc_at(1 - alpha / 2) / scale, nc_at(alpha / 2) / scale
 
