@@ -116,7 +116,7 @@ class Side:
         env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline", WANDB_SILENT="true")
         if root is not None:
             env["PYTHONPATH"] = root
-        self.name, self.check = name, tempfile.mktemp(suffix=".pt")
+        self.name, self.check = name, str(Path(tempfile.mkdtemp(prefix="bench_step-")) / "check.pt")
         cmd = [sys.executable, __file__, "--worker", setting, self.check, *overrides]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         self.info = self.read()
@@ -202,7 +202,7 @@ def main() -> None:
     a = ap.parse_args()
     overrides = [f"model={a.model}", *a.extra]
     root = worktree(a.against) if a.against else None
-    log = open(tempfile.mktemp(prefix="bench_step-", suffix=".log"), "w")
+    log = tempfile.NamedTemporaryFile("w", prefix="bench_step-", suffix=".log", delete=False)
     print(f"setting {a.setting}; workers' output in {log.name}; load average {open('/proc/loadavg').read().strip()}")
     try:
         sides = []
