@@ -19,7 +19,7 @@ from rlkit.loop import step
 from rlkit.preflight import check_portable
 from rlkit.refusals import ConfigError
 from rlkit.rundir import RunDirLock
-from rlkit.setup import setup, validate
+from rlkit.setup import Validated, setup, validate
 from rlkit.signals import Preempted, StopSignals
 from rlkit.state import Run
 
@@ -46,7 +46,7 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None, locked: boo
         parallel.close(agreed)  # agreed: after a barrier, so rank 0 undoes a refused run's traces once all are written
 
 
-def run_steps(cfg: DictConfig, validated, run_dir: str, run_info: dict, t0: float, locked: bool) -> dict:
+def run_steps(cfg: DictConfig, validated: Validated, run_dir: str, run_info: dict, t0: float, locked: bool) -> dict:
     rank = validated.parallel.rank
     check_portable(cfg.portable)
     atomic.check_writable(run_dir, "hydra.run.dir")
