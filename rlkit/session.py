@@ -33,7 +33,7 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None, locked: boo
     agreed, validated = False, None  # agreed: every rank ends here the same way
     try:
         validated = validate(cfg, world, rank)  # every check that needs no model, before anything is built or written
-        summary = run_steps(cfg, validated, run_dir, run_info or {}, t0, locked)
+        summary = run_steps(cfg, validated, run_dir, run_info or {}, rank, t0, locked)
         agreed = True
         return summary
     except (Preempted, NonFiniteError):  # decided on every rank after the same step
@@ -46,8 +46,9 @@ def run(cfg: DictConfig, run_dir: str, run_info: dict | None = None, locked: boo
         parallel.close(agreed)  # agreed: after a barrier, so rank 0 undoes a refused run's traces once all are written
 
 
-def run_steps(cfg: DictConfig, validated: Validated, run_dir: str, run_info: dict, t0: float, locked: bool) -> dict:
-    rank = validated.parallel.rank
+def run_steps(
+    cfg: DictConfig, validated: Validated, run_dir: str, run_info: dict, rank: int, t0: float, locked: bool
+) -> dict:
     check_portable(cfg.portable)
     atomic.check_writable(run_dir, "hydra.run.dir")
     with (

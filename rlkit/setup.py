@@ -172,14 +172,6 @@ def format_prompts(task: Task, model: Model, tokenizer, preamble: tuple) -> None
     )
 
 
-def policy_optimizer(policy, optim: DictConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (with LoRA: the adapters only), fused (one pass over each
-    tensor instead of about ten; the same update to float rounding) unless the model is sharded."""
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    hyper = dict(lr=optim.lr, weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2), eps=optim.eps)
-    return torch.optim.AdamW(trainable, **hyper, fused=not parallel.is_sharded(policy))
-
-
 def build_parts(cfg: DictConfig, c: Validated, device: torch.device, stop) -> tuple[Parts, dict]:
     """Everything the loop uses, built once; returns the parts and the warm start's info."""
     task, model, policy, tokenizer, warm = build_task_and_model(cfg, stop, device, c.parallel.world)
@@ -188,12 +180,15 @@ def build_parts(cfg: DictConfig, c: Validated, device: torch.device, stop) -> tu
     # wrapped after the reference copy and before the optimizer, which then holds what this process owns
     policy, ref = c.parallel.wrap(policy), c.parallel.wrap(ref)
     optim = cfg.optim
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
+    hyper = dict(lr=optim.lr, weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    # fused: one pass over each tensor instead of about ten, the same update to float rounding
+    optimizer = torch.optim.AdamW(trainable, **hyper, fused=not parallel.is_sharded(policy))
     critic = (
         build(cfg, "critic", Critic, policy=policy, max_grad_norm=optim.max_grad_norm)
         if c.advantage.needs_critic
         else None
     )
-    optimizer = policy_optimizer(policy, optim)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (optim.warmup_steps + 1)))
     sampler = build(cfg, "sampler", Sampler, dataset=task.train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
     engine = build(cfg, "engine", Engine, policy=policy, tokenizer=tokenizer)
