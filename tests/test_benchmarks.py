@@ -152,3 +152,35 @@ def test_the_step_benchmark_times_this_checkout_against_a_revision(tmp_path, mon
     assert "| this checkout |" in out and "| HEAD |" in out and "step time this checkout / HEAD" in out
     worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, check=True).stdout
     assert "rlkit-bench-" not in worktrees
+
+
+def test_the_step_benchmarks_check_reports_each_largest_difference(tmp_path):
+    """Two sides' check files that differ in one token, one log-prob, the loss, one gradient and one
+    weight: each largest difference is reported, by hand."""
+    import torch
+
+    def side(token, logp, loss, grad, weight):
+        path = tmp_path / f"{token}.pt"
+        torch.save(
+            {
+                "tokens": torch.tensor([[1, token]]),
+                "ref_logp": torch.tensor([[-1.0, logp]]),
+                "loss": [loss],
+                "grads": {"a": torch.tensor([0.5, grad]), "b": torch.zeros(2)},
+                "weights": {"a": torch.tensor([weight, 1.0]), "b": torch.zeros(2)},
+            },
+            path,
+        )
+        return str(path)
+
+    same = load("bench_step").compare_checks(side(2, -2.0, 0.25, 0.0, 1.0), side(2, -2.0, 0.25, 0.0, 1.0))
+    assert same["greedy tokens identical"] and same["gradients"] == same["loss"] == 0.0
+    got = load("bench_step").compare_checks(side(2, -2.0, 0.25, 0.0, 1.0), side(3, -2.5, 0.5, 0.125, 0.75))
+    assert not got["greedy tokens identical"]
+    assert (got["reference log-probs"], got["loss"], got["gradients"], got["weights after the step"]) == (
+        0.5,
+        0.25,
+        0.125,
+        0.25,
+    )
+    assert got["tensors compared"] == 2
