@@ -73,7 +73,7 @@ def main() -> None:
         built = setup(cfg, str(work / "step"), {}, validate(cfg), stop)
         one, _ = traced(step, built, 1)
     print(whole.line("the whole run (session.run, 2 steps)"))
-    print(one.line("one step (loop.step, with its evaluation)"))
+    print(one.line("one step (loop.step: its four phases)"))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 from rlkit import parallel
 from rlkit.atomic import damage, staged, write_manifest
 from rlkit.config import resolved
-from rlkit.guards import NonFiniteError, all_finite
+from rlkit.guards import NonFiniteError
 from rlkit.refusals import ConfigError
 from rlkit.state import Progress, Run
 
@@ -198,6 +198,11 @@ def check_progress(state: dict, cfg, digest: dict, path) -> None:
 
 
 # ---- a run's checkpoints: save every process's part, resume, or set an earlier run aside ----------------------
+
+
+def all_finite(model: torch.nn.Module) -> bool:
+    """Whether this process's parameters (its shards, when sharded) are all finite."""
+    return all(bool(torch.isfinite(parallel.local(p)).all()) for p in model.parameters())
 
 
 def save_run(run: Run, step: int) -> Path:

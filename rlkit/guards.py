@@ -1,13 +1,11 @@
 """Guards of the update: the advantage estimator's output checked (type and shape) before it is
 used, a run stopped after too many updates in a row skipped for a non-finite advantage, loss or
-gradient norm (`NonFiniteGuard`; the loop skips them), and no non-finite parameters written to a
-checkpoint (`all_finite`)."""
+gradient norm (`NonFiniteGuard`; the loop skips them)."""
 
 from __future__ import annotations
 
 import torch
 
-from rlkit import parallel
 from rlkit.refusals import ConfigError
 
 
@@ -52,8 +50,3 @@ def checked_advantages(estimator, rollout, values=None) -> tuple[torch.Tensor, t
                 f"[N, Tc] = {list(expect)} (see rlkit.components.AdvantageEstimator)"
             )
     return adv, returns
-
-
-def all_finite(model: torch.nn.Module) -> bool:
-    """Whether this process's parameters (its shards, when sharded) are all finite."""
-    return all(bool(torch.isfinite(parallel.local(p)).all()) for p in model.parameters())

@@ -1,7 +1,7 @@
 """The RL loop: `step` runs four phases, written out below in the order they run: `collect` (sample prompts,
 generate, score), `prepare` (reference and old log-probs, critic values, KL in the reward,
 advantages), `update` (epochs x mini-batches x micro-batches) and `measure` (the step's metrics);
-then, when due, the held-out evaluation and the log line. Each phase takes the run and the data of
+`report` then runs the held-out evaluation when due and writes the log line. Each phase takes the run and the data of
 the phase before and hands its own on; settings are `run.settings`, read from the config once.
 A run's life as a process (process group, lock, signals, checkpoints, summary) is `rlkit.session`."""
 
@@ -21,7 +21,7 @@ from rlkit.metrics import generated_metrics, kept_metrics, mismatch_metrics, sam
 from rlkit.rewards import correct, overlong_penalty, score, shuffled, step_reward_matrix
 from rlkit.state import Run
 from rlkit.tensors import finite
-from rlkit.types import Batch, LossInput, Rollout, UpdateStats
+from rlkit.types import Batch, LossInput, Rollout, StepResult, UpdateStats
 
 # ---- 1. collect: P prompts from the sampler, G completions each from the engine, scored -------------------------
 
@@ -210,24 +210,30 @@ def measure(run: Run, step: int, rollout: Rollout, batch: Batch | None, stats: U
 # ---- the loop ----------------------------------------------------------------------------------------------------
 
 
-def step(run: Run, n: int) -> tuple[dict, UpdateStats]:
-    """Step `n`: the four phases, the held-out evaluation when due, the log line and sample
-    completions. Returns the logged metrics and the update's statistics."""
-    s, rt = run.settings, run.runtime
+def step(run: Run, n: int) -> StepResult:
+    """Step `n`: the four phases. Returns the rollout, the batch trained on (None when nothing was
+    kept), the update's statistics and the step's metrics; `report` evaluates and logs them."""
+    rt = run.runtime
     rt.timer.clear()
     with rt.timer("step"):
         rollout, metrics = collect(run)
         kept = parallel.any_rank(rollout.num_rows > 0)  # dynamic sampling may keep nothing
         batch, stats = prepare_and_update(run, rollout) if kept else (None, UpdateStats())
-    metrics = measure(run, n, rollout, batch, stats, metrics)
+    return StepResult(rollout, batch, stats, measure(run, n, rollout, batch, stats, metrics))
+
+
+def report(run: Run, n: int, done: StepResult) -> dict:
+    """After step `n`: the held-out evaluation when due, the log line (the processes' mean) and
+    sample completions. Returns the logged metrics."""
+    s, metrics = run.settings, done.metrics
     if n == s.steps or (s.eval_every and n % s.eval_every == 0):
         run.progress.last_eval = held_out(run)
         metrics.update(run.progress.last_eval)
     metrics = parallel.mean_metrics(metrics)
-    rt.logger.log(n, metrics)  # metrics without a value (None) are left out
-    if s.samples_every and batch is not None and (n % s.samples_every == 0 or n == 1):
-        rt.logger.log_samples(n, samples(rollout, batch.adv, per_group=2))
-    return metrics, stats
+    run.runtime.logger.log(n, metrics)  # metrics without a value (None) are left out
+    if s.samples_every and done.batch is not None and (n % s.samples_every == 0 or n == 1):
+        run.runtime.logger.log_samples(n, samples(done.rollout, done.batch.adv, per_group=2))
+    return metrics
 
 
 def prepare_and_update(run: Run, rollout: Rollout) -> tuple[Batch, UpdateStats]:

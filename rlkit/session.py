@@ -1,5 +1,5 @@
 """One training run's life as a process: join the process group, check the config, hold the run
-directory's lock and the stop signals, build the run (`setup`), repeat `loop.step`, checkpoint
+directory's lock and the stop signals, build the run (`setup`), repeat `loop.step` and `loop.report`, checkpoint
 when due or when stopped, and write the summary."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from rlkit import atomic, checkpoint, parallel
 from rlkit.guards import NonFiniteError
-from rlkit.loop import step
+from rlkit.loop import report, step
 from rlkit.preflight import check_portable
 from rlkit.refusals import ConfigError
 from rlkit.rundir import RunDirLock
@@ -62,7 +62,8 @@ def run_steps(
         start = run.progress.start
         bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="rlkit", file=sys.stderr)
         for n in bar:
-            metrics, stats = step(run, n)
+            done = step(run, n)
+            metrics = report(run, n, done)
             bar.set_postfix(
                 reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{run.progress.last_eval['eval/accuracy']:.2f}"
             )
@@ -75,7 +76,7 @@ def run_steps(
                     f"stopped by {stop.received or 'a signal to another rank'} after step {n}; "
                     f"checkpoint {path}; rerun the same command (same hydra.run.dir) to resume"
                 )
-            run.runtime.guard.record(stats.skipped, n)
+            run.runtime.guard.record(done.stats.skipped, n)
         run.runtime.logger.finish()
         return write_summary(run)
 

@@ -223,3 +223,14 @@ class UpdateStats:
         for k, v in values.items():
             self.sums[k] = self.sums.get(k, 0.0) + float((v * mask).sum())
         self.tokens += float(mask.sum())
+
+
+@dataclass
+class StepResult:
+    """What one step of the loop hands on: the rollout, the batch trained on (None when nothing was
+    kept), the update's statistics and the step's metrics."""
+
+    rollout: Rollout
+    batch: Batch | None
+    stats: UpdateStats
+    metrics: dict
