@@ -201,8 +201,10 @@ def check_progress(state: dict, cfg, digest: dict, path) -> None:
 
 
 def all_finite(model: torch.nn.Module) -> bool:
-    """Whether this process's parameters (its shards, when sharded) are all finite."""
-    return all(bool(torch.isfinite(parallel.local(p)).all()) for p in model.parameters())
+    """Whether this process's parameters (its shards, when sharded) are all finite: each one's
+    least and greatest value (a NaN anywhere makes both NaN), without a [numel] mask per parameter."""
+    local = (parallel.local(p) for p in model.parameters())
+    return all(bool(torch.isfinite(torch.stack(torch.aminmax(x))).all()) for x in local if x.numel())
 
 
 def save_run(run: Run, step: int) -> Path:

@@ -7,13 +7,17 @@ import os
 import signal
 import subprocess
 import time
+from math import inf, nan
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from cli import TESTS, command, metrics, wait_for
 from conftest import make_cfg
+from rlkit.checkpoint import all_finite
 from rlkit.exits import EXIT_PREEMPTED
 from rlkit.guards import NonFiniteError
 from rlkit.session import run
@@ -128,3 +132,36 @@ def test_a_second_signal_stops_a_hung_scorer_at_once(tmp_path, warm_cache):
         proc.kill()
     err = proc.stderr.read()
     assert "stopped at once by a second signal (SIGINT after SIGINT)" in err and "Traceback" not in err
+
+
+@given(
+    shapes=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    planted=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 39), st.sampled_from([nan, inf, -inf]))),
+)
+@settings(max_examples=100, deadline=None)
+def test_the_checkpoint_guard_finds_any_nan_or_inf_in_any_parameter(shapes, planted):
+    """`all_finite` (least and greatest value of each parameter) agrees with the elementwise
+    definition, for empty parameters too, with NaN, inf and -inf planted anywhere."""
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n)) for n in shapes])
+    with torch.no_grad():
+        for i, j, value in planted:
+            if i < len(shapes) and j < shapes[i]:
+                model[i][j] = value
+    assert all_finite(model) == all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_checkpoint_with_a_non_finite_weight_is_refused_and_the_last_good_one_kept(tmp_path, warm_cache):
+    """The policy poisoned after a checkpoint: the next `save_run` raises and writes nothing."""
+    from rlkit.checkpoint import save_run
+    from rlkit.setup import setup, validate
+    from rlkit.signals import StopSignals
+
+    cfg = make_cfg(["steps=2", "checkpoint.every=1"], warm_cache)
+    with StopSignals() as stop:
+        built = setup(cfg, str(tmp_path), {}, validate(cfg), stop)
+        save_run(built, 1)
+        with torch.no_grad():
+            next(built.parts.policy.parameters()).view(-1)[7] = float("nan")
+        with pytest.raises(NonFiniteError, match="non-finite weights at step 2; checkpoint not written"):
+            save_run(built, 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
