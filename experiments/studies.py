@@ -1,6 +1,7 @@
 """The README's studies table, from the studies' own files: each declared study's verdicts and
 primary differences recomputed from its `results/` (as `rlkit-study <name> --analyse-only` does),
-its replication on a second warm-start seed (`<name>_ws1`) beside it, and for a study without runs
+its replication on a second warm-start seed (`<name>_ws1`) or, for a real-model study, its carry-over
+to the tiny testbed (`<name>_tiny`) beside it, and for a study without runs
 the `**Status.**` line of its README.
 
     python experiments/studies.py           # prints the table
@@ -30,6 +31,7 @@ STUDIES = [
     "length_bias",
     "length_bias_smollm2",
     "pass_at_k_smollm2",
+    "pass_at_k32_smollm2",
     "calculator_smollm2",
 ]
 
@@ -72,11 +74,21 @@ def status(name: str) -> str:
     return found.group(1) if found else "not run"
 
 
-def replicated(verdict: str, again: str, diff: str, r: dict) -> str:
-    """The replication's outcome against the original verdict."""
+def replicated(verdict: str, again: str, diff: str, r: dict, words=("replicated", "not replicated")) -> str:
+    """The replication's (or carry-over's) outcome against the original verdict."""
     if again.startswith("not tested"):
         return f"{again} ({diff})"
-    return f"replicated ({diff})" if again == verdict else f"not replicated: {again} ({diff})"
+    return f"{words[0]} ({diff})" if again == verdict else f"{words[1]}: {again} ({diff})"
+
+
+def second(name: str) -> tuple[dict | None, tuple[str, str]]:
+    """The study's replication (`<name>_ws1`) or carry-over (`<name>_tiny`) verdicts, and the words
+    for agreeing and not."""
+    seconds = {"_ws1": ("replicated", "not replicated"), "_tiny": ("carries over", "does not carry over")}
+    for suffix, words in seconds.items():
+        if (HERE / f"{name}{suffix}").exists():
+            return verdicts(f"{name}{suffix}"), words
+    return None, ("", "")
 
 
 def row(name: str) -> str:
@@ -86,13 +98,13 @@ def row(name: str) -> str:
     mine = verdicts(name)
     if mine is None:
         return f"| {link} | {claim} | open | | {status(name)} |"
-    again = verdicts(f"{name}_ws1") if (HERE / f"{name}_ws1").exists() else None
+    again, agree = second(name)
     words, numbers, replication = [], [], []
     for arm, (verdict, diff, r) in mine.items():
         words.append(f"{arm}: {verdict}" if len(mine) > 1 else verdict)
         numbers.append(f"{arm} - {spec.baseline}: {diff}")
         if again is not None:
-            replication.append(replicated(verdict, *again[arm]))
+            replication.append(replicated(verdict, *again[arm], words=agree))
     learned = {True: "; baseline learned", False: "; baseline did not learn by the margin", None: ""}[r["learned"]]
     learned = learned if r["spread"] else "; every run of the learning check gained the same: no test"
     return (
@@ -103,7 +115,8 @@ def row(name: str) -> str:
 
 def table() -> str:
     head = [
-        "| study | claim | verdict | replication (warm_start.seed=1) | primary difference (95% interval) |",
+        "| study | claim | verdict | replication (warm_start.seed=1) or carry-over (tiny)"
+        " | primary difference (95% interval) |",
         "|---|---|---|---|---|",
     ]
     return "\n".join(head + [row(name) for name in STUDIES])
