@@ -60,7 +60,7 @@ def traced(fn, *args):
 def main() -> None:
     from hydra import compose, initialize_config_module
 
-    from rlkit.loop import step
+    from rlkit.loop import report, step
     from rlkit.session import run
     from rlkit.setup import setup, validate
     from rlkit.signals import StopSignals
@@ -71,9 +71,13 @@ def main() -> None:
     whole, _ = traced(run, cfg, str(work / "whole"))
     with StopSignals() as stop:
         built = setup(cfg, str(work / "step"), {}, validate(cfg), stop)
-        one, _ = traced(step, built, 1)
+        phases, done = traced(step, built, 1)
+        reported, _ = traced(report, built, 1, done)
+        one, _ = traced(lambda: report(built, 2, step(built, 2)))
     print(whole.line("the whole run (session.run, 2 steps)"))
-    print(one.line("one step (loop.step: its four phases)"))
+    print(one.line("one step with its evaluation and log line (loop.step, then loop.report)"))
+    print(phases.line("loop.step alone (its four phases)"))
+    print(reported.line("loop.report alone (evaluation, log line)"))
 
 
 if __name__ == "__main__":
