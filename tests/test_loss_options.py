@@ -111,6 +111,26 @@ def test_the_adaptive_entropy_coefficient_follows_the_measured_entropy():
     assert restored.state_dict() == loss.state_dict()
 
 
+def test_a_negative_entropy_coefficient_minimises_the_entropy():
+    """`loss.entropy_coef=-1`: the per-token loss is the surrogate plus the entropy (the positive
+    control of the pass@k study), so gradient descent on it makes the distribution sharper."""
+    logits = t([[[2.0, 1.0, 0.0], [0.5, 0.5, 0.0]]]).requires_grad_(True)  # [1, 2, V]
+
+    def entropy():  # [1, 2]
+        logq = logits.log_softmax(-1)
+        return -(logq.exp() * logq).sum(-1)
+
+    logp = logits.log_softmax(-1)[..., 0]  # [1, 2] the sampled token's log-prob
+    mask, zero = t([[1, 1]]), t([[0.0, 0.0]])
+    before = entropy()
+    L, _ = PPOClip(entropy_coef=-1.0)(LossInput(logp, logp.detach(), zero, mask, entropy=before))
+    assert torch.allclose(L, before)  # no advantage: the surrogate is 0, the loss the entropy itself
+    L.sum().backward()
+    with torch.no_grad():
+        logits -= 0.5 * logits.grad
+    assert (entropy() < before).all()
+
+
 # ---- TRL's own loss code on the same inputs --------------------------------------------------------------------
 
 
