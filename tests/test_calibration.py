@@ -58,6 +58,20 @@ def test_graded_splits_share_no_question_even_reordered_and_every_level_is_drawn
     assert task.eval[0]["prompt"].startswith(f"What is {task.eval[0]['expr']}?")
 
 
+def test_graded_train_weights_draw_a_level_more_often_and_leave_the_held_out_questions():
+    """`train_weights=[1, 1, 1, 4, 1, 1]`: the 3-term sums get 400 training rows, all distinct, none
+    a reordering of a held-out question; every other level and the held-out split are as without."""
+    plain, weighted = Graded(), Graded(train_weights=[1, 1, 1, 4, 1, 1])
+    assert list(weighted.eval) == list(plain.eval)
+    held = {key(r) for r in weighted.eval}
+    counts = {name: sum(r["level"] == name for r in weighted.train) for name in LEVELS}
+    assert counts == {name: 400 if name == "sum_3" else 100 for name in LEVELS}
+    threes = [r["expr"] for r in weighted.train if r["level"] == "sum_3"]
+    assert len(set(threes)) == 400 and not held & {key(r) for r in weighted.train}
+    others = [r for r in weighted.train if r["level"] != "sum_3"]
+    assert others == [r for r in plain.train if r["level"] != "sum_3"]
+
+
 def test_graded_answers_by_hand():
     row = {"answer": "85"}
     assert Graded.reward(None, row, "27 + 58 makes 85, so the answer is 85.") == 1.0
@@ -87,6 +101,8 @@ def test_graded_answers_by_hand():
         ({"levels": ["sum_1d", "sum_1d"]}, "names a level twice"),
         ({"n_eval": 36, "levels": ["product_1d"]}, "36 distinct questions"),
         ({"question": "What is it?"}, "must contain {expr}"),
+        ({"train_weights": [1, 2]}, "one integer >= 1 per level of task.levels \\(6\\)"),
+        ({"train_weights": [1, 1, 1, 0, 1, 1]}, "one integer >= 1 per level"),
     ],
 )
 def test_graded_refuses_bad_arguments(args, message):

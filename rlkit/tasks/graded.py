@@ -44,15 +44,18 @@ LEVELS = {
 }
 
 
-def draw_levels(levels: list[str], n_train: int, n_eval: int, seed: int) -> tuple[list, list]:
+def draw_levels(
+    levels: list[str], n_train: int, n_eval: int, seed: int, weights: list[int] | None = None
+) -> tuple[list, list]:
     """Per level: `n_eval` held-out operand tuples, none the reordering of another ("3 + 4" and
-    "4 + 3" are one), then `n_train` training rows from the other tuples, none a reordering of a
-    held-out one, each tuple once before any repeats (a small level repeats, so that every level has
-    `n_train` rows and a uniform sampler draws the levels equally often). Rows carry `difficulty`
-    (the level's place in `levels`, from 1) and `level`.
+    "4 + 3" are one), then `n_train` training rows (times the level's weight, 1 by default) from the
+    other tuples, none a reordering of a held-out one, each tuple once before any repeats (a small
+    level repeats, so that every level has its rows and a uniform sampler draws the levels in
+    proportion to their weights). Rows carry `difficulty` (the level's place in `levels`, from 1)
+    and `level`. The held-out rows do not depend on the weights.
     -> (train rows, eval rows)"""
     rng, train, held = random.Random(seed), [], []
-    for place, name in enumerate(levels, 1):
+    for place, (name, weight) in enumerate(zip(levels, weights or [1] * len(levels)), 1):
         op, tuples = LEVELS[name]
         tuples = rng.sample(tuples, len(tuples))
         twins = {}  # canonical (sorted) tuple -> its tuples
@@ -65,7 +68,7 @@ def draw_levels(levels: list[str], n_train: int, n_eval: int, seed: int) -> tupl
         )
         held += [_row(twins[k][0], op, place, name) for k in keys[:n_eval]]
         pool = [_row(t, op, place, name) for k in keys[n_eval:] for t in twins[k]]
-        train += list(itertools.islice(itertools.cycle(pool), n_train))
+        train += list(itertools.islice(itertools.cycle(pool), n_train * weight))
     return train, held
 
 
@@ -78,7 +81,8 @@ class Graded(Task):
     """Arithmetic questions in `levels` (names of `LEVELS`; a row's `difficulty` is its level's
     place, from 1; how hard each level is for a model is measured, with `rlkit-calibrate`),
     `n_eval` held-out questions and `n_train` training rows per level, no question in both splits
-    even reordered. `question` holds `{expr}`."""
+    even reordered. `question` holds `{expr}`. `train_weights` (one integer >= 1 per level) gives a
+    level that many times `n_train` rows, so a uniform sampler draws it that much more often."""
 
     def __init__(
         self,
@@ -87,13 +91,19 @@ class Graded(Task):
         n_eval: int = 16,
         question: str = 'What is {expr}? Finish with the sentence "The answer is <number>."',
         seed: int = 1234,
+        train_weights: list[int] | None = None,
     ):
         unknown = [name for name in levels if name not in LEVELS]
         require(not unknown and levels, f"task.levels must name levels of {sorted(LEVELS)}, got {list(levels)}")
         require(len(set(levels)) == len(levels), f"task.levels names a level twice: {list(levels)}")
         require("{expr}" in question, f"task.question must contain {{expr}}, got {question!r}")
         require(n_train >= 1 and n_eval >= 1, "task.n_train and task.n_eval must be >= 1")
-        train, held = draw_levels(list(levels), n_train, n_eval, seed)
+        weights = None if train_weights is None else list(train_weights)
+        require(
+            weights is None or (len(weights) == len(levels) and all(isinstance(w, int) and w >= 1 for w in weights)),
+            f"task.train_weights needs one integer >= 1 per level of task.levels ({len(levels)}), got {weights}",
+        )
+        train, held = draw_levels(list(levels), n_train, n_eval, seed, weights)
         self.train, self.eval = (
             Dataset.from_list([{**r, "prompt": question.format(expr=r["expr"])} for r in split])
             for split in (train, held)
