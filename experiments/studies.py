@@ -30,8 +30,7 @@ STUDIES = [
     "clip_higher_smollm2",
     "length_bias",
     "length_bias_smollm2",
-    "pass_at_k_smollm2",
-    "pass_at_k32_smollm2",
+    "pass_at_k32_smollm2",  # second declaration of pass_at_k_smollm2 (its positive control failed), linked from it
     "calculator_smollm2",
 ]
 
