@@ -1,8 +1,9 @@
 """The RL loop: `step` runs four phases, written out below in the order they run: `collect` (sample prompts,
 generate, score), `prepare` (reference and old log-probs, critic values, KL in the reward,
 advantages), `update` (epochs x mini-batches x micro-batches) and `measure` (the step's metrics);
-`report` then runs the held-out evaluation when due and writes the log line. Each phase takes the run and the data of
-the phase before and hands its own on; settings are `run.settings`, read from the config once.
+`report` then runs the held-out evaluation when due and writes the log line. Each phase takes the
+run and the data of the phase before and hands its own on; settings are `run.settings`, read from
+the config once.
 A run's life as a process (process group, lock, signals, checkpoints, summary) is `rlkit.session`."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One training run's life as a process: join the process group, check the config, hold the run
-directory's lock and the stop signals, build the run (`setup`), repeat `loop.step` and `loop.report`, checkpoint
-when due or when stopped, and write the summary."""
+directory's lock and the stop signals, build the run (`setup`), repeat `loop.step` and
+`loop.report`, checkpoint when due or when stopped, and write the summary."""
 
 from __future__ import annotations
 
