@@ -24,7 +24,7 @@ STUDIES = [
     "dynamic_sampling",
     "dynamic_sampling_smollm2",
     "difficulty_bias",
-    "difficulty_bias_smollm2",
+    "difficulty_bias_smollm2_controlled",  # second declaration of difficulty_bias_smollm2, with a positive control
     "off_policy",
     "clip_higher",
     "clip_higher_smollm2",
