@@ -29,7 +29,7 @@ STUDIES = [
     "clip_higher",
     "clip_higher_smollm2",
     "length_bias",
-    "length_bias_smollm2",
+    "length_bias_smollm2_powered",  # second declaration of length_bias_smollm2 (inconclusive, 3 seeds), linked from it
     "pass_at_k32_smollm2",  # second declaration of pass_at_k_smollm2 (its positive control failed), linked from it
     "calculator_smollm2",
 ]
