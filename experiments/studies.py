@@ -27,7 +27,7 @@ STUDIES = [
     "difficulty_bias_smollm2_controlled",  # second declaration of difficulty_bias_smollm2, with a positive control
     "off_policy",
     "clip_higher",
-    "clip_higher_smollm2",
+    "clip_higher_smollm2_binding",  # second declaration of clip_higher_smollm2 (its premise failed), linked from it
     "length_bias",
     "length_bias_smollm2_powered",  # second declaration of length_bias_smollm2 (inconclusive, 3 seeds), linked from it
     "pass_at_k32_smollm2",  # second declaration of pass_at_k_smollm2 (its positive control failed), linked from it
