@@ -5,6 +5,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from matplotlib.image import imread
 from scipy import stats as sps
 
@@ -45,6 +47,25 @@ def test_seeds_for_power_match_the_standard_tables():
     assert seeds_for_power(1.0, 1.0, paired=False) == 17
     assert seeds_for_power(0.5, 1.0, paired=False) == 64
     assert seeds_for_power(0.0, 1.0, paired=True) is None
+
+
+def test_seeds_for_power_and_equivalence_do_not_turn_on_scipy_s_nan_far_in_a_tail():
+    """A pilot whose spread is small beside the effect: scipy's noncentral t cdf is nan far in its
+    lower tail (here at 3 and 4 pairs), which once read as "not enough power" and planned more
+    seeds than needed. By hand: d = 0.03 / 0.004 = 7.5; at 2 pairs the power is 0.595 (t_crit
+    12.71 on 1 df), at 3 pairs 0.9997 (t_crit 4.30, noncentrality 13.0)."""
+    assert seeds_for_power(0.03, 0.004, paired=True) == 3
+    assert seeds_for_power(0.02, 0.004, paired=True) == 3
+    assert seeds_for_equivalence(0.05, 0.001) == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(sd=st.floats(0.001, 1.0), ratios=st.lists(st.floats(0.3, 60.0), min_size=2, max_size=2))
+def test_a_larger_effect_never_needs_more_seeds(sd, ratios):
+    small, large = sorted(ratios)
+    for paired_ in (True, False):
+        assert seeds_for_power(large * sd, sd, paired_) <= seeds_for_power(small * sd, sd, paired_)
+    assert seeds_for_equivalence(large * sd, sd) <= seeds_for_equivalence(small * sd, sd)
 
 
 def test_runs_are_paired_only_when_both_groups_hold_the_same_seeds():

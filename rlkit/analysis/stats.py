@@ -134,6 +134,14 @@ def compare(a: list[tuple], b: list[tuple], alpha: float = 0.05) -> Difference:
     return welch([v for _, v in a], [v for _, v in b], alpha)
 
 
+def nct_cdf(x: float, df: float, nc: float) -> float:
+    """The noncentral t distribution's cdf at x. Far in its tails scipy gives nan, where the cdf is
+    0 (x far below the noncentrality) or 1 (far above): those limits instead, so that a power or an
+    interval read from it never turns on a nan."""
+    v = float(sps.nct.cdf(x, df, nc))
+    return v if not math.isnan(v) else (0.0 if nc > x else 1.0)
+
+
 def effect_size(diff: float, sd: float, n: int, paired: bool, alpha: float = 0.05) -> tuple[float, float, float]:
     """d = diff / sd with the (1 - alpha) interval from inverting the noncentral t distribution of
     t = d * sqrt(n) (pairs) or d * sqrt(n / 2) (two arms of n)."""
@@ -142,9 +150,8 @@ def effect_size(diff: float, sd: float, n: int, paired: bool, alpha: float = 0.0
     scale = math.sqrt(n) if paired else math.sqrt(n / 2)
     df, t = (n - 1) if paired else (2 * n - 2), diff / sd * scale
 
-    def cdf(nc: float) -> float:  # scipy's noncentral t gives nan far in its tails, where the cdf is 0 or 1
-        v = float(sps.nct.cdf(t, df, nc))
-        return v if not math.isnan(v) else (0.0 if nc > t else 1.0)
+    def cdf(nc: float) -> float:
+        return nct_cdf(t, df, nc)
 
     def nc_at(q: float) -> float:  # the noncentrality whose distribution puts t at quantile q
         width = 10 + abs(t)
@@ -178,7 +185,7 @@ def seeds_for_power(
         df = n - 1 if paired else 2 * n - 2
         nc = abs(diff) / sd * (math.sqrt(n) if paired else math.sqrt(n / 2))
         crit = sps.t.ppf(1 - alpha / 2, df)
-        if sps.nct.sf(crit, df, nc) + sps.nct.cdf(-crit, df, nc) >= power:
+        if 1 - nct_cdf(crit, df, nc) + nct_cdf(-crit, df, nc) >= power:
             return n
     return limit
 
@@ -193,7 +200,7 @@ def seeds_for_equivalence(
         return None
     for n in range(2, limit + 1):
         df, nc = n - 1, margin / sd * math.sqrt(n)
-        if 1 - 2 * sps.nct.cdf(sps.t.ppf(1 - alpha, df), df, nc) >= power:
+        if 1 - 2 * nct_cdf(sps.t.ppf(1 - alpha, df), df, nc) >= power:
             return n
     return limit
 
