@@ -487,6 +487,26 @@ def test_the_study_testbed_probe_table_is_the_one_its_readme_shows():
     assert probes.table() in (folder / "README.md").read_text()
 
 
+def test_the_dense_evaluation_calibration_is_the_one_its_readme_shows_and_thins_to_the_study_s_evaluations():
+    """experiments/dynamic_sampling_smollm2/README.md's calibration table comes from the kept
+    records by one command, and its sparse line is the study's own area: the trapezoids over the
+    evaluations at steps 0, 10 and 20 alone, worked here from one record."""
+    import importlib.util
+
+    folder = REPO / "experiments" / "dynamic_sampling_smollm2"
+    spec = importlib.util.spec_from_file_location("dense_eval", folder / "calibration" / "dense_eval.py")
+    dense = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dense)
+    assert dense.table() in (folder / "README.md").read_text()
+    with gzip.open(folder / "calibration" / "uniform_seed0.jsonl.gz", "rt") as f:
+        acc = {r["step"]: r["eval/accuracy"] for r in map(json.loads, f) if "eval/accuracy" in r}
+    assert sorted(acc) == list(range(0, 21, 2))
+    by_hand = ((acc[0] + acc[10]) / 2 + (acc[10] + acc[20]) / 2) / 2  # two trapezoids of width 10, over 20 steps
+    assert dense.area("uniform", 0, "eval/accuracy", {0, 10, 20}) == pytest.approx(by_hand, abs=1e-12)
+    every = [(acc[s] + acc[s + 2]) / 2 for s in range(0, 20, 2)]  # ten trapezoids of width 2
+    assert dense.area("uniform", 0, "eval/accuracy", None) == pytest.approx(sum(every) / 10, abs=1e-12)
+
+
 @pytest.mark.slow
 def test_the_readme_studies_table_is_the_one_its_script_prints():
     """README.md's studies table comes from the studies' own files, by one command."""
