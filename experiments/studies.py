@@ -23,6 +23,7 @@ STUDIES = [
     "rloo_vs_dr_grpo",
     "dynamic_sampling",
     "dynamic_sampling_smollm2",
+    "dynamic_sampling_smollm2_dense",  # second declaration of dynamic_sampling_smollm2 (dense evaluation)
     "difficulty_bias",
     "difficulty_bias_smollm2_controlled",  # second declaration of difficulty_bias_smollm2, with a positive control
     "off_policy",
