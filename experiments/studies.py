@@ -1,7 +1,7 @@
 """The README's studies table, from the studies' own files: each declared study's verdicts and
 primary differences recomputed from its `results/` (as `rlkit-study <name> --analyse-only` does),
 its replication on a second warm-start seed (`<name>_ws1`) or, for a real-model study, its carry-over
-to the tiny testbed (`<name>_tiny`) beside it, and for a study without runs
+to the tiny testbed (`<name>_tiny`) beside it, and for a study whose planned runs are not all in
 the `**Status.**` line of its README.
 
     python experiments/studies.py           # prints the table
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rlkit.analysis.records import read_plan, read_records
 from rlkit.analysis.study import load_spec
-from rlkit.analysis.verdict import analyse
+from rlkit.analysis.verdict import analyse, missing_runs
 
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
@@ -37,12 +37,16 @@ STUDIES = [
 
 
 def verdicts(name: str) -> dict | None:
-    """{treatment: (verdict, primary difference in words)} of a study with runs, else None."""
+    """{treatment: (verdict, primary difference in words)} of a study whose planned runs are all
+    recorded, else None (no interim verdict)."""
     folder = HERE / name
     if not (folder / "results" / "plan.json").exists():
         return None
-    spec = load_spec(folder / "study.yaml")
-    r = analyse(spec, read_records(folder / "results"), read_plan(folder / "results" / "plan.json"), robust=False)
+    spec, records = load_spec(folder / "study.yaml"), read_records(folder / "results")
+    fixed = read_plan(folder / "results" / "plan.json")
+    if missing_runs(spec, records, fixed):
+        return None
+    r = analyse(spec, records, fixed, robust=False)
     claimed_equal = spec.primary.direction == "equal"
     return {
         arm: (word(*r["verdicts"][arm], claimed_equal), short(r["diffs"][arm].describe()), r) for arm in r["treatments"]

@@ -310,6 +310,22 @@ def test_the_plan_comes_from_the_pilot_spread_at_the_declared_effect(tmp_path):
     assert p["needed"] == stats.seeds_for_power(0.05, sd, True) and p["seeds"] == min(8, p["needed"])
 
 
+def test_no_verdict_or_comparison_is_reported_while_planned_runs_are_missing(tmp_path):
+    """An interim look could steer a study, so its report shows the protocol and the runs still to
+    come, and no comparison, until every run of the pilot (no plan yet) or of the plan is recorded."""
+    spec = write_spec(tmp_path)  # pilot 2 seeds
+    pilot = records([0.3, 0.35], [0.5, 0.55])
+    text = report(spec, "s", tmp_path, pilot[:1] + pilot[2:3], None)
+    assert "Incomplete: 2 of 4 pilot runs recorded (to come: b seed 1, t seed 1)" in text
+    assert "### Verdict" not in text and "0.5" not in text.split("## Result")[1]
+    fixed = {**plan(spec, pilot), "seeds": 3}  # the plan asks for a third seed
+    text = report(spec, "s", tmp_path, pilot, fixed)
+    assert "Incomplete: 4 of 6 planned runs recorded (to come: b seed 2, t seed 2)" in text
+    assert "planned 3 per arm" in text and "### Verdict" not in text
+    done = report(spec, "s", tmp_path, pilot + [rec("b", 2, 0.4), rec("t", 2, 0.6)], fixed)
+    assert "Incomplete" not in done and "### Verdict, t against b" in done and "| t | 3 |" in done
+
+
 @pytest.mark.parametrize("study", sorted(p.parent.name for p in (REPO / "experiments").glob("*/study.yaml")))
 def test_every_declared_study_loads_and_its_arms_compose(study):
     """Each arm composes as the study runs it (its config, the arm's overrides, seed and threads)

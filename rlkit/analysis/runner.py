@@ -13,7 +13,8 @@ from pathlib import Path
 
 from rlkit import atomic
 from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
-from rlkit.analysis.study import Stopped, StudySpec, every_arm, overrides
+from rlkit.analysis.study import Stopped, StudySpec, overrides
+from rlkit.analysis.verdict import planned_runs
 from rlkit.exits import EXIT_PREEMPTED
 from rlkit.signals import STOPS
 
@@ -85,12 +86,12 @@ def finished(running: dict, signals: Signals) -> tuple[subprocess.Popen, tuple]:
 
 
 def run_seeds(
-    spec: StudySpec, name: str, seeds: range, runs: Path, results: Path, signals: Signals, jobs: int = 1
+    spec: StudySpec, name: str, seeds: int, runs: Path, results: Path, signals: Signals, jobs: int = 1
 ) -> None:
-    """Every arm (and control) at every seed in `seeds` that is not recorded yet, seed by seed (pairs
+    """Every arm (and control) at each of the first `seeds` seeds that is not recorded yet, seed by seed (pairs
     complete early), `jobs` runs at a time. A failed or stopped run lets the others finish (and be
     recorded) and starts no new one."""
-    todo = [(arm, seed) for seed in seeds for arm in every_arm(spec) if not record_path(results, arm, seed).exists()]
+    todo = [(arm, seed) for arm, seed in planned_runs(spec, seeds) if not record_path(results, arm, seed).exists()]
     running, stop = {}, None
     while todo or running:
         while todo and len(running) < jobs and stop is None and not signals.received:
@@ -146,7 +147,7 @@ def run_all(spec: StudySpec, name: str, runs: Path, results: Path, jobs: int = 1
 
 def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals, jobs: int) -> None:
     check_declaration(spec, name, results, read_records(results))
-    run_seeds(spec, name, range(spec.seeds.pilot), runs, results, signals, jobs)
+    run_seeds(spec, name, spec.seeds.pilot, runs, results, signals, jobs)
     check_logged(spec, read_records(results))
     plan_file = results / "plan.json"
     if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
@@ -156,4 +157,4 @@ def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: 
         f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap {fixed['cap']})",
         file=sys.stderr,
     )
-    run_seeds(spec, name, range(fixed["seeds"]), runs, results, signals, jobs)
+    run_seeds(spec, name, fixed["seeds"], runs, results, signals, jobs)

@@ -13,7 +13,7 @@ from rlkit.analysis import stats
 from rlkit.analysis.compare import fmt, plot
 from rlkit.analysis.runs import RunHistory, aggregate, aggregate_name, from_rows, lower_is_better
 from rlkit.analysis.stats import mean_ci
-from rlkit.analysis.study import START, learner, learning_margin
+from rlkit.analysis.study import START, every_arm, learner, learning_margin
 from rlkit.sinks import flatten
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
@@ -436,9 +436,47 @@ def provenance_lines(records: list, name: str) -> list[str]:
     ]
 
 
+def planned_runs(spec, seeds: int) -> list[tuple[str, int]]:
+    """Every arm and control at each of the first `seeds` seeds, seed by seed (pairs complete early)."""
+    return [(arm, seed) for seed in range(seeds) for arm in every_arm(spec)]
+
+
+def missing_runs(spec, records: list, plan: dict | None) -> list[tuple[str, int]]:
+    """The runs the study still owes: the planned seeds' (the pilot's while no plan is fixed) not recorded."""
+    recorded = {(head["arm"], head["seed"]) for head, _ in records}
+    return [run for run in planned_runs(spec, plan["seeds"] if plan else spec.seeds.pilot) if run not in recorded]
+
+
+def incomplete_report(spec, name: str, records: list, plan: dict | None, missing: list) -> str:
+    """The README section of a study with planned runs still to come: its protocol and what is
+    missing, and no comparison, so that no interim look can steer it (its seeds are fixed by the plan)."""
+    owed = ", ".join(f"{arm} seed {seed}" for arm, seed in missing)
+    stage = "planned" if plan else "pilot"
+    return "\n".join(
+        [
+            MARKER,
+            "",
+            "## Declared protocol (study.yaml)",
+            "",
+            *protocol(spec, plan, len([a for a in spec.arms if a != spec.baseline])),
+            "",
+            "## Result",
+            "",
+            f"Incomplete: {len(records)} of {len(records) + len(missing)} {stage} runs recorded (to come: {owed}).",
+            f"The verdict and every comparison are withheld until the last is in; `rlkit-study {name} --jobs 2`",
+            "resumes the study.",
+            "",
+        ]
+    )
+
+
 def report(spec, name: str, results: Path, records: list, plan: dict | None) -> str:
     """The README section: the declared protocol, the plan, the result table, verdicts, secondary
-    lines, what was left out and where the numbers come from."""
+    lines, what was left out and where the numbers come from; only the protocol and what is missing
+    while planned runs are still to come."""
+    missing = missing_runs(spec, records, plan)
+    if missing:
+        return incomplete_report(spec, name, records, plan, missing)
     r, P = analyse(spec, records, plan), spec.primary
     lines = [
         MARKER,
