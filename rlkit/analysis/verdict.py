@@ -447,49 +447,31 @@ def missing_runs(spec, records: list, plan: dict | None) -> list[tuple[str, int]
     return [run for run in planned_runs(spec, plan["seeds"] if plan else spec.seeds.pilot) if run not in recorded]
 
 
-def incomplete_report(spec, name: str, records: list, plan: dict | None, missing: list) -> str:
-    """The README section of a study with planned runs still to come: its protocol and what is
-    missing, and no comparison, so that no interim look can steer it (its seeds are fixed by the plan)."""
+def incomplete_lines(name: str, records: list, plan: dict | None, missing: list) -> list[str]:
+    """What a study with planned runs still to come reports instead of its comparisons, so that no
+    interim look can steer it (its seeds are fixed by the plan)."""
     owed = ", ".join(f"{arm} seed {seed}" for arm, seed in missing)
     stage = "planned" if plan else "pilot"
-    return "\n".join(
-        [
-            MARKER,
-            "",
-            "## Declared protocol (study.yaml)",
-            "",
-            *protocol(spec, plan, len([a for a in spec.arms if a != spec.baseline])),
-            "",
-            "## Result",
-            "",
-            f"Incomplete: {len(records)} of {len(records) + len(missing)} {stage} runs recorded (to come: {owed}).",
-            f"The verdict and every comparison are withheld until the last is in; `rlkit-study {name} --jobs 2`",
-            "resumes the study.",
-            "",
-        ]
-    )
+    return [
+        f"Incomplete: {len(records)} of {len(records) + len(missing)} {stage} runs recorded (to come: {owed}).",
+        f"The verdict and every comparison are withheld until the last is in; `rlkit-study {name} --jobs 2`",
+        "resumes the study.",
+        "",
+    ]
 
 
 def report(spec, name: str, results: Path, records: list, plan: dict | None) -> str:
     """The README section: the declared protocol, the plan, the result table, verdicts, secondary
     lines, what was left out and where the numbers come from; only the protocol and what is missing
     while planned runs are still to come."""
+    treatments = [a for a in spec.arms if a != spec.baseline]
+    lines = [MARKER, "", "## Declared protocol (study.yaml)", "", *protocol(spec, plan, len(treatments)), ""]
+    lines += ["## Result", ""]
     missing = missing_runs(spec, records, plan)
     if missing:
-        return incomplete_report(spec, name, records, plan, missing)
+        return "\n".join(lines + incomplete_lines(name, records, plan, missing))
     r, P = analyse(spec, records, plan), spec.primary
-    lines = [
-        MARKER,
-        "",
-        "## Declared protocol (study.yaml)",
-        "",
-        *protocol(spec, plan, len(r["treatments"])),
-        "",
-        "## Result",
-        "",
-        f"| arm | runs | {aggregate_name(P.aggregate)} {P.metric} |",
-        "|---|---|---|",
-    ]
+    lines += [f"| arm | runs | {aggregate_name(P.aggregate)} {P.metric} |", "|---|---|---|"]
     for arm in [*spec.arms, *spec.controls]:
         v = list(r["values"].get(arm, {}).values())
         lines.append(f"| {arm} | {len(v)} | {fmt_ci(v)} |")
