@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,7 @@ def test_the_step_benchmark_times_this_checkout_against_a_revision(tmp_path, mon
     """Both sides on the tiny model, the revision from a git worktree (removed after): the check
     of greedy tokens, log-probs, loss, gradients and weights, then the table of both sides."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the revision's worktree too: this test's own
     extra = [*TINY, "warm_start.steps=0", "task.n_eval=4"]
     argv = ["bench_step", "--model", "tiny", "--against", "HEAD", "--rounds", "2", "--extra", *extra]
     monkeypatch.setattr("sys.argv", argv)
@@ -151,7 +153,7 @@ def test_the_step_benchmark_times_this_checkout_against_a_revision(tmp_path, mon
     assert check["tensors compared"] > 0 and all(math.isfinite(v) for v in check.values())
     assert "| this checkout |" in out and "| HEAD |" in out and "step time this checkout / HEAD" in out
     worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, check=True).stdout
-    assert "rlkit-bench-" not in worktrees
+    assert list(tmp_path.glob("rlkit-bench-*")) == [] and str(tmp_path.resolve()) not in worktrees  # removed
 
 
 def test_the_step_benchmarks_check_reports_each_largest_difference(tmp_path):
