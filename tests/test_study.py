@@ -3,6 +3,7 @@ on records the test writes), the plan comes from the pilot's spread, every study
 composes, and a tiny study runs end to end through real training runs, killed and resumed."""
 
 import gzip
+import importlib.util
 import json
 import os
 import re
@@ -492,14 +493,18 @@ def test_an_arm_written_as_a_string_is_refused_not_split_into_characters(tmp_pat
         write_spec(tmp_path, config="steps=3")
 
 
+def script(path: Path):
+    """A script under experiments/ (no package), imported as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_study_testbed_probe_table_is_the_one_its_readme_shows():
     """experiments/study_testbed/README.md's table comes from the kept probes alone, by one command."""
-    import importlib.util
-
     folder = REPO / "experiments" / "study_testbed"
-    spec = importlib.util.spec_from_file_location("probes", folder / "probes.py")
-    probes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probes)
+    probes = script(folder / "probes.py")
     assert probes.table() in (folder / "README.md").read_text()
 
 
@@ -507,12 +512,8 @@ def test_the_dense_evaluation_calibration_is_the_one_its_readme_shows_and_thins_
     """experiments/dynamic_sampling_smollm2/README.md's calibration table comes from the kept
     records by one command, and its sparse line is the study's own area: the trapezoids over the
     evaluations at steps 0, 10 and 20 alone, worked here from one record."""
-    import importlib.util
-
     folder = REPO / "experiments" / "dynamic_sampling_smollm2"
-    spec = importlib.util.spec_from_file_location("dense_eval", folder / "calibration" / "dense_eval.py")
-    dense = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dense)
+    dense = script(folder / "calibration" / "dense_eval.py")
     assert dense.table() in (folder / "README.md").read_text()
     with gzip.open(folder / "calibration" / "uniform_seed0.jsonl.gz", "rt") as f:
         acc = {r["step"]: r["eval/accuracy"] for r in map(json.loads, f) if "eval/accuracy" in r}
@@ -526,11 +527,7 @@ def test_the_dense_evaluation_calibration_is_the_one_its_readme_shows_and_thins_
 @pytest.mark.slow
 def test_the_readme_studies_table_is_the_one_its_script_prints():
     """README.md's studies table comes from the studies' own files, by one command."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("studies", REPO / "experiments" / "studies.py")
-    studies = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(studies)
+    studies = script(REPO / "experiments" / "studies.py")
     assert studies.readme_table() == studies.table()
     assert "| [rloo_vs_dr_grpo](experiments/rloo_vs_dr_grpo/README.md) |" in studies.table()
 

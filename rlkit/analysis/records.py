@@ -11,7 +11,17 @@ from pathlib import Path
 
 from rlkit import atomic
 from rlkit.analysis import stats
-from rlkit.analysis.study import Stopped, StudySpec, changes, declared, every_arm, learner, overrides, with_defaults
+from rlkit.analysis.study import (
+    Stopped,
+    StudySpec,
+    changes,
+    declared,
+    every_arm,
+    learner,
+    overrides,
+    treatments,
+    with_defaults,
+)
 from rlkit.analysis.verdict import pair, per_run, runs_by_arm
 from rlkit.exits import EXIT_BAD_INPUT
 
@@ -146,8 +156,8 @@ def plan(spec: StudySpec, records: list) -> dict:
     declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
     pilot = [(head, rows) for head, rows in records if head["seed"] < spec.seeds.pilot]  # a replan gives the same plan
     values = per_run(runs_by_arm(pilot, spec)[0], spec.primary, spec.unfinished)
-    treatments = [a for a in spec.arms if a != spec.baseline]
-    alpha = spec.alpha / len(treatments)
+    tested = treatments(spec)
+    alpha = spec.alpha / len(tested)
     out = {
         "pilot_seeds": spec.seeds.pilot,
         "cap": spec.seeds.cap,
@@ -155,7 +165,7 @@ def plan(spec: StudySpec, records: list) -> dict:
         "arms": {},
         "declared": declared(spec),
     }
-    for arm in treatments:
+    for arm in tested:
         d = stats.paired(*pair(values, spec.baseline, arm))  # a treatment whose pilot left no value: no pairs
         sd = stats.inflated_sd(d.sd, d.n, spec.seeds.pilot_confidence) if d.n >= 2 else float("nan")
         if spec.primary.direction == "equal":

@@ -224,6 +224,11 @@ def every_arm(spec: StudySpec) -> dict:
     return {**spec.arms, **spec.controls}
 
 
+def treatments(spec: StudySpec) -> list[str]:
+    """The arms tested against the baseline."""
+    return [a for a in spec.arms if a != spec.baseline]
+
+
 def overrides(spec: StudySpec, arm: str) -> list[str]:
     return [*spec.config, *every_arm(spec)[arm]]
 

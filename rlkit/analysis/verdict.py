@@ -13,7 +13,7 @@ from rlkit.analysis import stats
 from rlkit.analysis.compare import fmt, plot
 from rlkit.analysis.runs import RunHistory, aggregate, aggregate_name, from_rows, lower_is_better
 from rlkit.analysis.stats import mean_ci
-from rlkit.analysis.study import START, every_arm, learner, learning_margin
+from rlkit.analysis.study import START, every_arm, learner, learning_margin, treatments
 from rlkit.sinks import flatten
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
@@ -253,22 +253,22 @@ def gate_checks(spec, arms: dict, values: dict) -> tuple[dict, dict]:
 def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict:
     """Every number of the report, from the records alone; `robust` False leaves out the secondary
     lines' bootstrap statistics (the slow part), for a summary that needs only the verdicts."""
-    treatments = [a for a in spec.arms if a != spec.baseline]
+    tested = treatments(spec)
     arms, unfinished = runs_by_arm(records, spec)
     values = per_run(arms, spec.primary, spec.unfinished)
-    diffs = {arm: stats.paired(*pair(values, spec.baseline, arm), alpha=spec.alpha) for arm in treatments}
-    p_sig = dict(zip(treatments, stats.holm([d.p for d in diffs.values()])))
-    p_eq = dict(zip(treatments, stats.holm([d.tost(spec.primary.smallest_effect) for d in diffs.values()])))
-    engaged, engagement_lines = engagement(spec, arms, treatments)
+    diffs = {arm: stats.paired(*pair(values, spec.baseline, arm), alpha=spec.alpha) for arm in tested}
+    p_sig = dict(zip(tested, stats.holm([d.p for d in diffs.values()])))
+    p_eq = dict(zip(tested, stats.holm([d.tost(spec.primary.smallest_effect) for d in diffs.values()])))
+    engaged, engagement_lines = engagement(spec, arms, tested)
     gates, gate_lines = gate_checks(spec, arms, values)
     capped = f"; at the seed cap ({spec.seeds.cap})" if plan and plan.get("capped") else ""
     verdicts = {}
-    for arm in treatments:
+    for arm in tested:
         w, why = decide(spec, diffs[arm], p_sig[arm], p_eq[arm], {**gates, "engaged": engaged.get(arm)})
         verdicts[arm] = (w, why + capped if w.startswith("inconclusive") else why)
-    secondary = secondary_differences(spec, arms, treatments, robust)
+    secondary = secondary_differences(spec, arms, tested, robust)
     return {
-        "treatments": treatments,
+        "treatments": tested,
         "values": values,
         "diffs": diffs,
         "p_adjusted": p_sig,
@@ -283,7 +283,7 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
         "secondary": secondary,
         "secondary_holm": stats.holm([d.p for _, d, *_ in secondary]),
         "unfinished": unfinished,
-        "unpaired": [line for arm in [*treatments, *spec.controls] for line in unpaired(values, spec.baseline, arm)],
+        "unpaired": [line for arm in [*tested, *spec.controls] for line in unpaired(values, spec.baseline, arm)],
         "arms": arms,
     }
 
@@ -464,8 +464,7 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
     """The README section: the declared protocol, the plan, the result table, verdicts, secondary
     lines, what was left out and where the numbers come from; only the protocol and what is missing
     while planned runs are still to come."""
-    treatments = [a for a in spec.arms if a != spec.baseline]
-    lines = [MARKER, "", "## Declared protocol (study.yaml)", "", *protocol(spec, plan, len(treatments)), ""]
+    lines = [MARKER, "", "## Declared protocol (study.yaml)", "", *protocol(spec, plan, len(treatments(spec))), ""]
     lines += ["## Result", ""]
     missing = missing_runs(spec, records, plan)
     if missing:
