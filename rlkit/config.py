@@ -207,7 +207,7 @@ def build(cfg: DictConfig, key: str, kind: type | None = None, **runtime) -> Any
         if not _type_ok(node[k], params[k]):
             raise ConfigError(f"{key}.{k}={node[k]!r} must be of type {getattr(params[k], '__name__', params[k])}")
     try:
-        obj = instantiate(node)
+        obj = instantiate(node, _recursive_=False)  # a nested `_target_` is refused (`stray_targets`), never built
         return obj(**runtime) if node.get("_partial_", False) else obj
     except Exception as e:
         cause = e.__cause__ or e
@@ -229,9 +229,36 @@ def numbers(node, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
+def stray_targets(node, roots: set[str], prefix: str = "") -> list[str]:
+    """The dotted keys of every `_target_` in a resolved config that is not at the top of a
+    component (`roots`): inside a component's options, a list, or any other key."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    here = prefix.rstrip(".")
+    stray = [f"{prefix}_target_"] if isinstance(node, dict) and "_target_" in node and here not in roots else []
+    for k, v in items:
+        stray += stray_targets(v, roots, f"{prefix}{k}.")
+    return stray
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Only a component's own node names a class: a `_target_` anywhere else (a list option such as
+    `environment.preamble`, a component's nested option, a key added with `+`) would be built by the
+    component's constructor call, so it is refused before anything is built."""
+    tree = {k: v for k, v in resolved(cfg).items() if k != "hydra"}
+    roots = {*GROUPS, "critic", *(f"reward.functions.{n}" for n in tree.get("reward", {}).get("functions") or {})}
+    stray = stray_targets(tree, roots)
+    if stray:
+        raise ConfigError(
+            f"{', '.join(stray)}: a _target_ names a class only at the top of a component ({', '.join(GROUPS)}, "
+            "critic, reward.functions.<name>); refusing to build anything from it"
+        )
+
+
 def check_values(cfg: DictConfig) -> None:
-    """The config's own numbers and choices, before any component is built: every number of every
-    group finite, then each key's range. Every value that fails is named in one refusal."""
+    """The config's own numbers and choices, before any component is built: no class named outside
+    a component's node, every number of every group finite, then each key's range. Every value that
+    fails is named in one refusal."""
+    check_targets(cfg)
     finite = [(math.isfinite(v), f"{key} must be a finite number, got {v}") for key, v in numbers(resolved(cfg))]
     ranges = range_checks(cfg) + run_checks(cfg)
     require_all(ranges if all(ok for ok, _ in finite) else finite)  # a non-finite number's range would repeat it

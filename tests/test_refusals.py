@@ -346,3 +346,22 @@ def test_a_target_that_is_not_a_component_is_refused_before_it_is_built(tmp_path
     with pytest.raises(ConfigError, match=rf"{key}: zipfile.ZipFile does not implement \w+ \(it lacks"):
         validate(make_cfg(zip_file))
     assert victim.read_text() == "precious"  # ZipFile(file, mode="w") would have emptied it
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["environment=calculator", "environment.preamble=[{_target_:logging.FileHandler,filename:pwned.txt}]"],
+        ["+environment.preamble=[{_target_:logging.FileHandler,filename:pwned.txt}]"],
+        ["+advantage.extra={_target_:logging.FileHandler,filename:pwned.txt}"],
+        ["+stray={_target_:logging.FileHandler,filename:pwned.txt}"],
+    ],
+)
+def test_a_target_below_a_component_is_refused_before_anything_is_built(tmp_path, overrides):
+    """A `_target_` inside a list option, a component's nested option or any other key is named and
+    refused (exit 2) before any constructor runs: `logging.FileHandler` would create the file."""
+    done = run_cli([*FAST, "hydra.run.dir=run", *overrides], cwd=tmp_path, timeout=120)
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr[-3000:]
+    assert "_target_: a _target_ names a class only at the top of a component" in done.stderr
+    assert not (tmp_path / "pwned.txt").exists()
+    assert not (tmp_path / "run").exists()  # the refused run undid its claim
