@@ -110,7 +110,6 @@ def row(name: str) -> str:
         if again is not None:
             replication.append(replicated(verdict, *again[arm], words=agree))
     learned = {True: "; baseline learned", False: "; baseline did not learn by the margin", None: ""}[r["learned"]]
-    learned = learned if r["spread"] else "; every run of the learning check gained the same: no test"
     return (
         f"| {link} | {claim} | {'; '.join(words)} | {'; '.join(replication) or 'not run'} | "
         f"{'; '.join(numbers)}{learned} |"

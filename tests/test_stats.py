@@ -75,13 +75,36 @@ def test_runs_are_paired_only_when_both_groups_hold_the_same_seeds():
     assert "(paired t, n = 3)" in paired([1, 2, 3], [2, 4, 3]).describe()
 
 
-def test_a_difference_without_spread_says_so_instead_of_p_zero():
+def test_a_difference_without_spread_is_the_t_tests_limit():
     d = paired([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
-    assert math.isnan(d.p) and d.zero_variance
-    assert d.describe() == "+1.000 in every one of 3 pairs (no spread: no test)"
-    assert holm([d.p, 0.01]) == [pytest.approx(float("nan"), nan_ok=True), 0.02]  # untested, but in the family
+    assert d.p == 0 and d.zero_variance and d.interval == (1.0, 1.0)
+    assert d.describe() == "+1.000 in every one of 3 pairs (no spread: p = 0, the t-test's limit, n = 3)"
+    assert paired([0.3, 0.4], [0.3, 0.4]).p == 1  # no difference at all
+    assert paired([0.6, 0.7], [0.7, 0.8]).p == 0  # 0.1 twice, to float rounding
+    # the stronger, more consistent result is never the weaker evidence (once "no spread: no test")
+    assert paired([0.0156] * 3, [1.0] * 3).p < paired([0.0156] * 3, [0.9, 1.0, 0.95]).p
+    assert holm([d.p, 0.01]) == [0.0, 0.01]  # 2 x 0, then 1 x 0.01
+    assert math.isnan(paired([1.0], [2.0]).p) and holm([float("nan"), 0.01]) == [pytest.approx(float("nan"), nan_ok=True), 0.02]
     adjusted = holm([0.02, float("nan"), 0.03])  # m = 3: 3 x 0.02, then max(0.06, 2 x 0.03)
     assert adjusted[0] == pytest.approx(0.06) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.06)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(-1000, 1000).map(lambda i: i / 1000), min_size=2, max_size=12),  # metric-like values
+    st.integers(0, 2000).map(lambda i: i / 1000),
+    st.integers(0, 100).map(lambda i: i / 100),
+)
+def test_a_dominated_result_never_gets_a_smaller_p(diffs, shift, shrink):
+    """Differences moved further from zero (`shift`) and drawn closer to their mean (`shrink`): a
+    larger, more consistent effect, whose p is never larger than the original's (shrink 0: no
+    spread at all)."""
+    mean = sum(diffs) / len(diffs)
+    sign = 1.0 if mean >= 0 else -1.0
+    stronger = [mean + sign * shift + shrink * (x - mean) for x in diffs]
+    zeros = [0.0] * len(diffs)
+    weak, strong = paired(zeros, diffs).p, paired(zeros, stronger).p
+    assert strong <= weak * (1 + 1e-9) + 1e-12  # float rounding of the moved values
 
 
 def test_holm_by_hand_and_against_statsmodels():
@@ -197,11 +220,11 @@ def test_compare_with_a_baseline_writes_paired_lines_with_holm_and_plots_against
     p = sps.ttest_rel([0.6, 0.8, 0.7], [0.5, 0.6, 0.7]).pvalue
     line = next(l for l in md.splitlines() if l.startswith("- final eval/accuracy: rloo - grpo"))
     assert "+0.100 [-0.148, +0.348], d_z = +1.00 [" in line and f"p = {p:.2g} (paired t, n = 3)" in line
-    # six lines (final and best for three groups); ppo's final differences (-0.4 each) have no spread and no p,
-    # but stay in Holm's family of six; ppo's best (-0.3, -0.35, -0.4) has the smallest p, multiplied by 6
-    assert "final eval/accuracy: ppo - grpo: -0.400 in every one of 3 pairs (no spread: no test)" in md
+    # six lines (final and best for three groups); ppo's final differences (-0.4 each) have no spread: p = 0,
+    # the t-test's limit, first in Holm's order; ppo's best (-0.3, -0.35, -0.4) has the next p, multiplied by 5
+    assert "final eval/accuracy: ppo - grpo: -0.400 in every one of 3 pairs (no spread: p = 0, the t-test's" in md
     p_best = sps.ttest_rel([0.2, 0.25, 0.3], [0.5, 0.6, 0.7]).pvalue
-    assert f"p = {p_best:.2g} (paired t, n = 3); Holm-adjusted p = {6 * p_best:.2g} over 6 lines" in md
+    assert f"p = {p_best:.2g} (paired t, n = 3); Holm-adjusted p = {5 * p_best:.2g} over 6 lines" in md
     assert "not shown equivalent within ±0.2 (TOST p = " in line
     png = tmp_path / "compare" / "eval_accuracy_by_tokens.png"
     assert imread(png).shape[1] > imread(png).shape[0]  # four groups: a panel each, side by side

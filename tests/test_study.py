@@ -122,12 +122,14 @@ def test_verdicts_follow_the_four_outcomes_of_equivalence_testing(tmp_path):
         write_spec(tmp_path, engagement={"metric": "m", "at_least": 1, "arm": "x"})
 
 
-def test_no_verdict_from_fewer_than_three_pairs_or_from_zero_spread_alone(tmp_path):
+def test_no_verdict_from_fewer_than_three_pairs_and_one_from_a_difference_without_spread(tmp_path):
     spec = write_spec(tmp_path)
     word, why = verdict(spec, records([0.3, 0.4], [0.301, 0.401]))  # +0.001 in both pairs: once "reproduced"
     assert word == "inconclusive" and "only 2 paired runs (a verdict needs at least 3)" in why
-    word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.5, 0.6]))  # +0.1 in every pair
-    assert word == "inconclusive" and "no spread, no test" in why
+    word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.5, 0.6]))  # +0.1 in every pair: p = 0, the limit
+    assert word.startswith("reproduced") and "adjusted p = 0," in why  # once "inconclusive: no spread, no test"
+    word, _ = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.52, 0.59]))  # the weaker, less consistent result
+    assert word.startswith("reproduced")
 
 
 def gated(tmp_path, **changes):
@@ -159,9 +161,10 @@ def test_a_positive_control_a_premise_and_the_learning_margin_gate_every_verdict
     assert "needs its interval above 0.05: FAILED, the baseline did not learn by the margin" in r["learning"][0]
     ceiling = records([0.9] * 5, near)  # every run of b from 0.3 to 0.9: one gain five times, no spread
     r = analyse(spec, ceiling + moved, None)
-    word, why = r["verdicts"]["t"]
-    assert word == "not tested" and why.startswith("every run of the learning check gained the same amount")
-    assert r["learning"][0].endswith("FAILED: every run gained the same amount, so there is no test")
+    assert r["learned"] is True  # +0.6 in every run: past the margin (once "no spread, so there is no test")
+    assert "+0.600 in every one of 5 pairs (no spread: p = 0" in r["learning"][0] and r["learning"][0].endswith("passed")
+    flat = records([0.3] * 5, near)  # every run of b gains nothing
+    assert analyse(spec, flat + moved, None)["learned"] is False
     default = write_spec(tmp_path, learning={"aggregate": "gain:2"})  # margin: twice the smallest effect, 0.1
     assert analyse(default, records(base, near), None)["learned"] is False  # gains +0.148 [+0.099, +0.197]
     assert analyse(default, records([0.5, 0.55, 0.6, 0.52, 0.57], near), None)["learned"] is True  # [+0.199, ...]

@@ -22,7 +22,8 @@ BOOTSTRAP_REPS = 2000
 class Difference:
     diff: float  # mean of b - mean of a (paired: mean of the per-seed differences)
     se: float  # its standard error
-    p: float  # two-sided p-value of "no difference"; nan when it cannot be tested
+    p: float  # two-sided p-value of "no difference"; nan with fewer than 2 runs; without spread the
+    # t-test's limit: 0 for a nonzero difference, 1 for none (`_p`)
     df: float  # degrees of freedom of the t distribution
     paired: bool
     n: int  # pairs, or the smaller arm's size
@@ -64,7 +65,8 @@ class Difference:
             return f"{self.diff:+.3f} (n = {self.n}: too few runs for an interval)"
         if self.zero_variance:
             return (
-                f"{self.diff:+.3f} in every one of {self.n} {'pairs' if self.paired else 'runs'} (no spread: no test)"
+                f"{self.diff:+.3f} in every one of {self.n} {'pairs' if self.paired else 'runs'} "
+                f"(no spread: p = {self.p:g}, the t-test's limit, n = {self.n})"
             )
         lo, hi = self.interval
         d, dlo, dhi = self.dz()
@@ -122,7 +124,12 @@ def welch(a: list[float], b: list[float], alpha: float = 0.05) -> Difference:
 
 
 def _p(diff: float, se: float, df: float) -> float:
-    return float(2 * sps.t.sf(abs(diff / se), df)) if se > 0 else float("nan")  # no spread: no test
+    """Two-sided p of t = diff / se. Without spread (se 0) the limit of the t-test as the spread
+    shrinks: 0 for a nonzero difference, 1 for none, so that a larger and more consistent effect
+    never gets a larger p than a weaker one (an undefined p would rank the strongest result last)."""
+    if se > 0:
+        return float(2 * sps.t.sf(abs(diff / se), df))
+    return float("nan") if math.isnan(se) else (0.0 if abs(diff) > 1e-9 else 1.0)  # 1e-9: float rounding
 
 
 def compare(a: list[tuple], b: list[tuple], alpha: float = 0.05) -> Difference:
@@ -163,8 +170,8 @@ def effect_size(diff: float, sd: float, n: int, paired: bool, alpha: float = 0.0
 
 
 def holm(pvalues: list[float]) -> list[float]:
-    """Holm's step-down adjustment of a family of p-values. A missing p (nan: a line without spread)
-    stays missing but stays in the family: it counts in m, as a test that could not reject."""
+    """Holm's step-down adjustment of a family of p-values. A missing p (nan: a line with too few
+    runs) stays missing but stays in the family: it counts in m, as a test that could not reject."""
     order = sorted((p, i) for i, p in enumerate(pvalues) if not math.isnan(p))
     m, out, running = len(pvalues), [float("nan")] * len(pvalues), 0.0
     for rank, (p, i) in enumerate(order):

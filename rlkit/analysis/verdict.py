@@ -86,14 +86,12 @@ MIN_PAIRS = 3  # fewer pairs give no verdict
 def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict) -> tuple[str, str]:
     """The verdict and its reason for one treatment's primary difference d (treatment - baseline),
     given its Holm-adjusted p of no difference (`p_sig`) and of TOST at the margin (`p_eq`) and
-    the gates (`gates`: learned, spread, premises, sensitive, engaged: True, False or None for not declared)."""
+    the gates (`gates`: learned, premises, sensitive, engaged: True, False or None for not declared)."""
     failed = [why for key, why in GATE_WORDS.items() if gates.get(key) is False]
     if failed:
         return "not tested", failed[0]
     if d.n < MIN_PAIRS:
         return "inconclusive", f"only {d.n} paired runs (a verdict needs at least {MIN_PAIRS})"
-    if d.zero_variance:
-        return "inconclusive", "every pair differs by the same amount: no spread, no test"
     word, why = outcome(spec, d, p_sig, p_eq)
     if word == "equivalent" and gates.get("sensitive") is None:
         return "not tested", (
@@ -110,8 +108,6 @@ def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict) ->
 
 GATE_WORDS = {
     "learned": "the baseline did not learn by the learning margin, so the testbed cannot show the claim",
-    "spread": "every run of the learning check gained the same amount (a ceiling or a floor), so it has no "
-    "test: no spread",
     "premises": "a premise of the claim did not hold on this testbed (see Premises)",
     "sensitive": "the positive control did not move the primary metric by the smallest effect: the testbed "
     "cannot see this mechanism",
@@ -174,26 +170,22 @@ def engagement(spec, arms: dict, treatments: list[str]) -> tuple[dict, list[str]
     return {arm: passed[e.arm or arm] for arm in treatments}, lines
 
 
-def learning(spec, arms: dict) -> tuple[bool | None, list[str], bool]:
+def learning(spec, arms: dict) -> tuple[bool | None, list[str]]:
     """Whether the baseline learned: its mean learning aggregate exceeds the learning margin
-    (`learning_margin`) with its whole interval; a line for it and for each control arm against
-    it; and whether its gains have a spread to test (not all equal). (None, [], True) when the
-    study declares no check."""
+    (`learning_margin`) with its whole interval (every run gaining the same amount: that amount); a
+    line for it and for each control arm against it. (None, []) when the study declares no check."""
     L = spec.learning
     if L is None:
-        return None, [], True
+        return None, []
     values, name = per_run(arms, L, spec.unfinished), f"{aggregate_name(L.aggregate)} {L.metric}"
     margin, base = learning_margin(spec), learner(spec)
     gains = list(values.get(base, {}).values())
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
-    learned = d.n >= 2 and not d.zero_variance and d.interval[0] > margin
+    learned = d.n >= 2 and d.interval[0] > margin
     role, who = ("baseline", "the baseline") if base == spec.baseline else ("arm", base)
-    spread = d.n < 2 or not d.zero_variance  # False: runs enough for a test, all with one gain
-    no_test = "FAILED: every run gained the same amount, so there is no test"
-    failed = f"FAILED, {who} did not learn by the margin" if spread else no_test
     lines = [
         f"{base} ({role}): {name} = {d.describe()}, needs its interval above {margin:g}: "
-        + ("passed" if learned else failed)
+        + ("passed" if learned else f"FAILED, {who} did not learn by the margin")
     ]
     for control in spec.controls:
         own = list(values.get(control, {}).values())
@@ -201,7 +193,7 @@ def learning(spec, arms: dict) -> tuple[bool | None, list[str], bool]:
             f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {base} - {control}: "
             f"{stats.paired(*reversed(pair(values, base, control)), spec.alpha).describe()}"
         )
-    return learned, lines, spread
+    return learned, lines
 
 
 def sensitivity(spec, values: dict) -> tuple[bool | None, list[str]]:
@@ -213,7 +205,7 @@ def sensitivity(spec, values: dict) -> tuple[bool | None, list[str]]:
     direction, delta = S.direction or spec.primary.direction, spec.primary.smallest_effect
     d = stats.paired(*pair(values, spec.baseline, S.arm), spec.alpha)
     sign = 1 if direction == "higher" else -1
-    seen = d.n >= MIN_PAIRS and not d.zero_variance and d.p < spec.alpha and sign * d.diff >= delta
+    seen = d.n >= MIN_PAIRS and d.p < spec.alpha and sign * d.diff >= delta
     return seen, [
         f"{S.arm} - {spec.baseline} (positive control, needs {direction} by >= {delta:g}, p < {spec.alpha:g}): "
         f"{d.describe()}: " + ("passed" if seen else "FAILED, the testbed does not show the mechanism")
@@ -240,14 +232,13 @@ def premises(spec, arms: dict) -> tuple[bool | None, list[str]]:
 
 
 def gate_checks(spec, arms: dict, values: dict) -> tuple[dict, dict]:
-    """The gates every verdict passes (learned, spread, premises, sensitive: True, False or None for
-    not declared; a learning check without spread is no test of learning) and their report lines."""
-    learned, learning_lines, spread = learning(spec, arms)
+    """The gates every verdict passes (learned, premises, sensitive: True, False or None for not
+    declared) and their report lines."""
+    learned, learning_lines = learning(spec, arms)
     sensitive, sensitivity_lines = sensitivity(spec, values)
     held, premise_lines = premises(spec, arms)
-    gates = {"learned": learned if spread else None, "spread": None if spread else False}
     lines = {"learning": learning_lines, "sensitivity": sensitivity_lines, "premises": premise_lines}
-    return {**gates, "premises": held, "sensitive": sensitive}, lines
+    return {"learned": learned, "premises": held, "sensitive": sensitive}, lines
 
 
 def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict:
@@ -276,7 +267,6 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
         "verdicts": verdicts,
         "engagement": engagement_lines,
         "learned": gates["learned"],
-        "spread": gates["spread"] is None,  # False: the learning check had no spread to test
         "sensitive": gates["sensitive"],
         "held": gates["premises"],
         **gate_lines,
