@@ -162,7 +162,8 @@ def test_a_positive_control_a_premise_and_the_learning_margin_gate_every_verdict
     ceiling = records([0.9] * 5, near)  # every run of b from 0.3 to 0.9: one gain five times, no spread
     r = analyse(spec, ceiling + moved, None)
     assert r["learned"] is True  # +0.6 in every run: past the margin (once "no spread, so there is no test")
-    assert "+0.600 in every one of 5 pairs (no spread: p = 0" in r["learning"][0] and r["learning"][0].endswith("passed")
+    line = r["learning"][0]
+    assert "+0.600 in every one of 5 pairs (no spread: p = 0" in line and line.endswith("passed")
     flat = records([0.3] * 5, near)  # every run of b gains nothing
     assert analyse(spec, flat + moved, None)["learned"] is False
     default = write_spec(tmp_path, learning={"aggregate": "gain:2"})  # margin: twice the smallest effect, 0.1
