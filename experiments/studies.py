@@ -37,8 +37,8 @@ STUDIES = [
 
 
 def verdicts(name: str) -> dict | None:
-    """{treatment: (verdict, primary difference in words)} of a study whose planned runs are all
-    recorded, else None (no interim verdict)."""
+    """{treatment: (verdict, primary difference in words, labelled with the arms it compares)} of a
+    study whose planned runs are all recorded, else None (no interim verdict)."""
     folder = HERE / name
     if not (folder / "results" / "plan.json").exists():
         return None
@@ -49,7 +49,12 @@ def verdicts(name: str) -> dict | None:
     r = analyse(spec, records, fixed, robust=False)
     claimed_equal = spec.primary.direction == "equal"
     return {
-        arm: (word(*r["verdicts"][arm], claimed_equal), short(r["diffs"][arm].describe()), r) for arm in r["treatments"]
+        arm: (
+            word(*r["verdicts"][arm], claimed_equal),
+            f"{arm} - {spec.baseline}: {short(r['diffs'][arm].describe())}",
+            r,
+        )
+        for arm in r["treatments"]
     }
 
 
@@ -69,8 +74,8 @@ def gist(reason: str) -> str:
 
 def short(described: str) -> str:
     """`+0.130 [+0.112, +0.148], d_z = ..., p = 6.2e-07 (paired t, n = 8)` -> `+0.130 [+0.112, +0.148] (n = 8)`"""
-    n = re.search(r"n = \d+", described)
-    return described.split(", d_z")[0] + (f" ({n.group(0)})" if n else "")
+    n, head = re.search(r"n = \d+", described), described.split(", d_z")[0]
+    return head + (f" ({n.group(0)})" if n and n.group(0) not in head else "")
 
 
 def status(name: str) -> str:
@@ -81,7 +86,7 @@ def status(name: str) -> str:
 def replicated(verdict: str, again: str, diff: str, r: dict, words=("replicated", "not replicated")) -> str:
     """The replication's (or carry-over's) outcome against the original verdict."""
     if again.startswith("not tested"):
-        return f"{again} ({diff})"
+        return f"{again}; its primary difference {diff}"  # not the gate's number
     return f"{words[0]} ({diff})" if again == verdict else f"{words[1]}: {again} ({diff})"
 
 
@@ -106,7 +111,7 @@ def row(name: str) -> str:
     words, numbers, replication = [], [], []
     for arm, (verdict, diff, r) in mine.items():
         words.append(f"{arm}: {verdict}" if len(mine) > 1 else verdict)
-        numbers.append(f"{arm} - {spec.baseline}: {diff}")
+        numbers.append(diff)
         if again is not None:
             replication.append(replicated(verdict, *again[arm], words=agree))
     learned = {True: "; baseline learned", False: "; baseline did not learn by the margin", None: ""}[r["learned"]]

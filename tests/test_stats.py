@@ -172,6 +172,11 @@ def test_iqm_and_probability_of_improvement_by_hand():
     assert robust(a, b, lower=True).p_improve[0] == 0.0 and robust(a, b) == r  # fixed random state
     half = robust(a, a)
     assert half.p_improve[0] == 0.5 and half.p_improve[1] < 0.5 < half.p_improve[2]
+    # b a hair above a at every seed, seeds far apart: resampling the pairs together keeps each seed's two
+    # runs in the same resample, so the interval of P(b > a) is narrower than with the arms resampled apart
+    b = [v + 0.5 for v in a]
+    together, apart = robust(a, b, paired=True).p_improve, robust(a, b).p_improve
+    assert together[0] == apart[0] and together[2] - together[1] < (apart[2] - apart[1]) / 2
 
 
 def test_per_run_aggregates_by_hand():

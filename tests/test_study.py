@@ -528,6 +528,18 @@ def test_the_dense_evaluation_calibration_is_the_one_its_readme_shows_and_thins_
     assert dense.area("uniform", 0, "eval/accuracy", None) == pytest.approx(sum(every) / 10, abs=1e-12)
 
 
+def test_a_carry_over_that_was_not_tested_labels_the_difference_it_shows():
+    """The replication cell of a gate that failed shows the primary difference, named as such, not
+    beside the gate's words where it read as the gate's number (a token difference as a gain)."""
+    studies = script(REPO / "experiments" / "studies.py")
+    gate = "not tested: the baseline did not learn by the learning margin"
+    cell = studies.replicated("equivalent", gate, "b - a: +0.415 [-0.418, +1.248] (n = 8)", {})
+    assert cell == f"{gate}; its primary difference b - a: +0.415 [-0.418, +1.248] (n = 8)"
+    assert (
+        studies.short("+1.000 in every one of 3 pairs (no spread: p = 0, the t-test's limit, n = 3)").count("n =") == 1
+    )
+
+
 @pytest.mark.slow
 def test_the_readme_studies_table_is_the_one_its_script_prints():
     """README.md's studies table comes from the studies' own files, by one command."""

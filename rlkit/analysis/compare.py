@@ -224,8 +224,9 @@ def differences(
         for m in metrics:
             for what in (spec, "best"):
                 a, b = seeded(base, m, what, m in lower), seeded(groups[key], m, what, m in lower)
-                d = stats.compare(a, b, alpha)
-                rob = stats.robust([v for _, v in a], [v for _, v in b], m in lower, alpha)
+                d, pairs = stats.compare(a, b, alpha), stats.matched(a, b)
+                xa, xb = pairs or ([v for _, v in a], [v for _, v in b])
+                rob = stats.robust(xa, xb, m in lower, alpha, paired=pairs is not None)
                 rows.append((f"{aggregate_name(what)} {m}: {name} - {baseline}", d, rob, m, name))
     adjusted = stats.holm([d.p for _, d, *_ in rows])
     tested = len(adjusted)  # a line without spread has no p but stays in the family

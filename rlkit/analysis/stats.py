@@ -132,13 +132,20 @@ def _p(diff: float, se: float, df: float) -> float:
     return float("nan") if math.isnan(se) else (0.0 if abs(diff) > 1e-9 else 1.0)  # 1e-9: float rounding
 
 
-def compare(a: list[tuple], b: list[tuple], alpha: float = 0.05) -> Difference:
-    """b - a where `a` and `b` hold (seed, value) per run; paired when both hold the same seeds, once each."""
+def matched(a: list[tuple], b: list[tuple]) -> tuple[list[float], list[float]] | None:
+    """The values of `a` and `b` ((seed, value) per run) in matching seed order when both hold the
+    same seeds, once each; None when they cannot be paired."""
     sa, sb = dict(a), dict(b)
     if len(sa) == len(a) and len(sb) == len(b) and set(sa) == set(sb):
         seeds = sorted(sa, key=str)
-        return paired([sa[s] for s in seeds], [sb[s] for s in seeds], alpha)
-    return welch([v for _, v in a], [v for _, v in b], alpha)
+        return [sa[s] for s in seeds], [sb[s] for s in seeds]
+    return None
+
+
+def compare(a: list[tuple], b: list[tuple], alpha: float = 0.05) -> Difference:
+    """b - a where `a` and `b` hold (seed, value) per run; paired when both hold the same seeds, once each."""
+    pairs = matched(a, b)
+    return paired(*pairs, alpha) if pairs else welch([v for _, v in a], [v for _, v in b], alpha)
 
 
 def nct_cdf(x: float, df: float, nc: float) -> float:
@@ -237,12 +244,16 @@ class Robust:
         )
 
 
-def robust(a: list[float], b: list[float], lower: bool = False, alpha: float = 0.05, seed: int = 0) -> Robust | None:
+def robust(
+    a: list[float], b: list[float], lower: bool = False, alpha: float = 0.05, seed: int = 0, paired: bool = False
+) -> Robust | None:
     """`Robust` for arms a and b (None below BOOTSTRAP_FROM runs per arm); `lower`: lower is better.
-    IQM and P(improvement) are rliable's own functions; their intervals are percentile bootstraps
-    that resample each arm on its own (rliable's stratified bootstrap, with one task), run by
-    scipy with a fixed random state so the same runs always print the same numbers. (rliable's
-    bootstrap module needs `arch` < 8, which fails to import beside pandas 3.)"""
+    IQM and P(improvement) are rliable's own functions; their intervals are percentile bootstraps,
+    run by scipy with a fixed random state so the same runs always print the same numbers. Each
+    IQM resamples its own arm (rliable's stratified bootstrap, with one task); P(improvement)
+    resamples the two arms on their own, or with `paired` (a[i] and b[i] share a seed) the pairs
+    together, so that the seed's shared randomness stays in each resample. (rliable's bootstrap
+    module needs `arch` < 8, which fails to import beside pandas 3.)"""
     if min(len(a), len(b)) < BOOTSTRAP_FROM:
         return None
     import numpy as np
@@ -251,12 +262,12 @@ def robust(a: list[float], b: list[float], lower: bool = False, alpha: float = 0
     sign = -1.0 if lower else 1.0  # rliable counts b beating a as b scoring higher
     xa, xb = np.array(a, dtype=float), np.array(b, dtype=float)  # [runs] each
 
-    def estimate(statistic, *samples) -> tuple[float, float, float]:
+    def estimate(statistic, *samples, together: bool = False) -> tuple[float, float, float]:
         ci = sps.bootstrap(
             samples,
             statistic,
             vectorized=False,
-            paired=False,
+            paired=together,
             n_resamples=BOOTSTRAP_REPS,
             confidence_level=1 - alpha,
             method="percentile",
@@ -266,4 +277,4 @@ def robust(a: list[float], b: list[float], lower: bool = False, alpha: float = 0
 
     iqm = lambda x: metrics.aggregate_iqm(x[:, None])  # noqa: E731  [runs, 1 task]
     improve = lambda x, y: metrics.probability_of_improvement(sign * x[:, None], sign * y[:, None])  # noqa: E731
-    return Robust(estimate(iqm, xa), estimate(iqm, xb), estimate(improve, xb, xa))
+    return Robust(estimate(iqm, xa), estimate(iqm, xb), estimate(improve, xb, xa, together=paired))

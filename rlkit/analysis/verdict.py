@@ -291,7 +291,7 @@ def secondary_differences(spec, arms: dict, treatments: list[str], robust: bool)
                 (
                     label,
                     stats.paired(a, b, spec.alpha),
-                    stats.robust(a, b, m.lower, spec.alpha) if robust else None,
+                    stats.robust(a, b, m.lower, spec.alpha, paired=True) if robust else None,
                     arm,
                     m.lower,
                 )
@@ -389,7 +389,7 @@ def verdict_lines(spec, r: dict) -> list[str]:
             f"{arm} - {spec.baseline}: {r['diffs'][arm].describe()}; {why}.",
             "",
         ]
-        rob = stats.robust(*pair(r["values"], spec.baseline, arm), spec.primary.lower, spec.alpha)
+        rob = stats.robust(*pair(r["values"], spec.baseline, arm), spec.primary.lower, spec.alpha, paired=True)
         if rob is not None:
             lines += [rob.describe(spec.baseline, arm, spec.primary.lower), ""]
     return lines
