@@ -185,9 +185,23 @@ def test_per_run_aggregates_by_hand():
     assert aggregate(run, "m", "best") == 0.4 and aggregate(run, "m", "best", lower=True) == 0.1  # step 0 not counted
     # trapezoids over 30 steps: (0.7 + 0.6 + 0.5) * 10 / 2 = 9 -> 0.3
     assert aggregate(run, "m", "auc") == pytest.approx(0.3) and aggregate(run, "other", "final") is None
-    # over generated tokens, 100 at step 10 and 300 at steps 20 and 30: (0.7 * 100 + 0.6 * 300 + 0.5 * 300) / 2 / 700
+    # over generated tokens, 100 at step 10 and 300 at steps 20 and 30: the curve at 0, 100, 400 and 700 tokens
     run.history["train/gen_tokens"] = [(10, 100.0), (20, 300.0), (30, 300.0)]
-    assert aggregate(run, "m", "auc:tokens") == pytest.approx((35 + 90 + 75) / 700)
+    assert aggregate(run, "m", "auc:tokens:400") == pytest.approx((35 + 90) / 400)  # (0.7 * 100 + 0.6 * 300) / 2
+    # cut at 250 tokens, where the curve is 0.2 + 0.2 * 150 / 300 = 0.3: (35 + (0.2 + 0.3) * 150 / 2) / 250
+    assert aggregate(run, "m", "auc:tokens:250") == pytest.approx((35 + 37.5) / 250)
+    assert aggregate(run, "m", "auc:tokens:701") is None  # the run never generated 701 tokens
+    # the same curve reached with three times the tokens: over a common budget it scores less (once the same)
+    rising = [(0, 0.2), (10, 0.4), (20, 0.6), (30, 0.8)]
+    fast = RunHistory("f", {}, {"m": rising, "train/gen_tokens": [(10, 100.0), (20, 100.0), (30, 100.0)]})
+    slow = RunHistory("s", {}, {"m": rising, "train/gen_tokens": [(10, 300.0), (20, 300.0), (30, 300.0)]})
+    assert aggregate(fast, "m", "auc:tokens:300") == pytest.approx(0.5)  # the whole curve: (0.3 + 0.5 + 0.7) / 3
+    assert aggregate(slow, "m", "auc:tokens:300") == pytest.approx(0.3)  # its first 300 tokens: 0.2 -> 0.4
+    with pytest.raises(ValueError, match="'auc:tokens' is withdrawn: it divided each run's area by that run's own"):
+        aggregate(run, "m", "auc:tokens")
+    for bad in ("auc:tokens:0", "auc:time", "reach:nan:tokens", "reach:inf"):
+        with pytest.raises(ValueError, match="use final, last:K"):
+            aggregate(run, "m", bad)
     assert aggregate(run, "m", "gain") == pytest.approx(0.1 - 0.5)  # the last value minus step 0's
     assert aggregate(RunHistory("r", {}, {"m": [(5, 0.5), (10, 0.2)]}), "m", "gain") is None  # no step-0 value
     with pytest.raises(ValueError, match="use final, last:K"):

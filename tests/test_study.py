@@ -5,6 +5,7 @@ composes, and a tiny study runs end to end through real training runs, killed an
 import gzip
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -82,6 +83,34 @@ def test_a_study_file_that_cannot_run_is_named(tmp_path, capsys):
         write_spec(tmp_path, secondary=[{"metric": "m", "aggregate": "last"}])
     assert study_main([str(tmp_path / "nowhere")]) == 2
     assert "no study file" in capsys.readouterr().err
+
+
+def test_a_withdrawn_aggregate_is_refused_for_new_lines_and_shown_as_withdrawn_where_declared(tmp_path):
+    """`auc:tokens` (each run's area over its own token span) is refused as a primary; a study that
+    declared it as a secondary line keeps the line in Holm's family, reported as not computed."""
+    with pytest.raises(StudyError, match="'auc:tokens' is withdrawn"):
+        write_spec(
+            tmp_path,
+            primary={
+                "metric": "eval/accuracy",
+                "aggregate": "auc:tokens",
+                "direction": "higher",
+                "smallest_effect": 0.05,
+            },
+        )
+    spec = write_spec(
+        tmp_path,
+        secondary=[
+            {"metric": "eval/accuracy", "aggregate": "auc:tokens"},
+            {"metric": "train/len", "aggregate": "last:2", "lower": True},
+        ],
+    )
+    recs = records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44], length=12.0)
+    r = analyse(spec, recs, None)
+    assert r["secondary"][0].diff is None and math.isnan(r["secondary_holm"][0])
+    assert r["secondary_holm"][1] == pytest.approx(min(1.0, 2 * r["secondary"][1].p))  # two lines in the family
+    text = report(spec, "s", tmp_path, recs, None)
+    assert "- auc:tokens (withdrawn) eval/accuracy: t - b: not computed: it divided each run's area by" in text
 
 
 def test_verdicts_follow_the_four_outcomes_of_equivalence_testing(tmp_path):
@@ -302,8 +331,8 @@ def test_the_analysis_pairs_by_seed_and_corrects_secondary_lines(tmp_path):
         and d.diff == pytest.approx(0.105)
         and r["unpaired"] == ["t - b: seed 5 has no value in t; its pair is missing"]
     )
-    label, sec, *_ = r["secondary"][0]
-    assert label == "mean of last 2 train/len: t - b" and sec.zero_variance  # every length 10 in both arms
+    line = r["secondary"][0]
+    assert line.label == "mean of last 2 train/len: t - b" and line.diff.zero_variance  # every length 10 in both arms
 
 
 def test_the_plan_comes_from_the_pilot_spread_at_the_declared_effect(tmp_path):

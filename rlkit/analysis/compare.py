@@ -217,7 +217,7 @@ def differences(
     if baseline not in names:
         raise BadArgument(f"--baseline {baseline!r} is not a group; groups: {', '.join(names)}")
     base, margins = groups[names[baseline]], margins or {}
-    rows = []  # (label, Difference, Robust or None, metric, group name)
+    rows = []
     for name, key in names.items():
         if name == baseline:
             continue
@@ -227,11 +227,11 @@ def differences(
                 d, pairs = stats.compare(a, b, alpha), stats.matched(a, b)
                 xa, xb = pairs or ([v for _, v in a], [v for _, v in b])
                 rob = stats.robust(xa, xb, m in lower, alpha, paired=pairs is not None)
-                rows.append((f"{aggregate_name(what)} {m}: {name} - {baseline}", d, rob, m, name))
-    adjusted = stats.holm([d.p for _, d, *_ in rows])
-    tested = len(adjusted)  # a line without spread has no p but stays in the family
+                rows.append(stats.Row(f"{aggregate_name(what)} {m}: {name} - {baseline}", d, rob, name, m, m in lower))
+    adjusted = stats.holm([row.p for row in rows])
+    tested = len(adjusted)  # a line with too few runs has no p but stays in the family
     lines = [
-        difference_line(row, p_holm, tested, baseline, lower, margins.get(row[3]), alpha)
+        difference_line(row, p_holm, tested, baseline, margins.get(row.metric), alpha)
         for row, p_holm in zip(rows, adjusted)
     ]
     return "\n".join(lines) + "\n"
@@ -243,18 +243,18 @@ def seeded(runs: list[RunHistory], metric: str, what: str, lower: bool) -> list[
 
 
 def difference_line(
-    row: tuple, p_holm: float, tested: int, baseline: str, lower: set, margin: float | None, alpha: float
+    row: stats.Row, p_holm: float, tested: int, baseline: str, margin: float | None, alpha: float
 ) -> str:
     """One line of `differences`: the difference, Holm's p, TOST at `margin`, the robust statistics."""
-    label, d, rob, m, name = row
-    text = f"- {label}: {d.describe()}"
+    d = row.diff
+    text = f"- {row.label}: {d.describe()}"
     if not math.isnan(p_holm):
         text += f"; Holm-adjusted p = {p_holm:.2g} over {tested} lines"
     if margin is not None and d.n >= 2:
         p_eq = d.tost(margin)
         text += f"; {'equivalent' if p_eq < alpha else 'not shown equivalent'} within ±{margin:g} (TOST p = {p_eq:.2g})"
-    if rob is not None:
-        text += f"; {rob.describe(baseline, name, m in lower)}"
+    if row.robust is not None:
+        text += f"; {row.robust.describe(baseline, row.arm, row.lower)}"
     return text
 
 
@@ -282,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
         default="final",
         metavar="SPEC",
         help="each run's one number: final, last:K (mean of the last K logged values), auc or "
-        "auc:tokens (mean height of the curve over steps, or over generated tokens), gain (final minus "
+        "auc:tokens:B (mean height of the curve over steps, or over the first B generated tokens), gain (final minus "
         "step 0), start (the step-0 value), reach:X[:tokens|:time] (steps, tokens or seconds until the "
         "metric first reaches X; a run that never does counts at its end); 'best' (after step 0) is always "
         "shown beside it",

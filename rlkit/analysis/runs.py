@@ -189,42 +189,65 @@ def x_of(run: RunHistory, axis: str) -> dict:
 # ---- per-run aggregates: one number per run ------------------------------------------------------------------------
 
 
+class Withdrawn(ValueError):
+    """An aggregate rlkit once computed wrongly: refused, never silently redefined (a study declared
+    with it shows the line as withdrawn)."""
+
+
+WITHDRAWN = {
+    "auc:tokens": "it divided each run's area by that run's own token span, so a run that spent three times the "
+    "tokens on the same accuracy curve scored the same: it never compared runs at equal generated tokens; "
+    "auc:tokens:B does (the mean height over the first B generated tokens)",
+}
+
+
 def parse_aggregate(spec: str) -> tuple[str, int | str | tuple]:
-    """'final', 'last:K' (mean of the last K logged values), 'auc' or 'auc:tokens' (mean height of
-    the curve over steps, or over generated tokens), 'best' (best value after step 0), 'gain' /
-    'gain:K' (the last value, or the mean of the last K, minus the step-0 value: what training
-    changed), 'start' (the step-0 value: the starting policy's) or 'reach:X' / 'reach:X:tokens' /
-    'reach:X:time' (the steps, generated tokens or seconds until the metric first reaches X; a run
-    that never does counts at its end, censored).  -> (kind, K, the auc's axis or (X, axis))"""
+    """'final', 'last:K' (mean of the last K logged values), 'auc' (mean height of the curve over
+    steps), 'auc:tokens:B' (mean height over the first B generated tokens, the same token range
+    for every run; a run that generated fewer has no value), 'best' (best value after step 0),
+    'gain' / 'gain:K' (the last value, or the mean of the last K, minus the step-0 value: what
+    training changed), 'start' (the step-0 value: the starting policy's) or 'reach:X' /
+    'reach:X:tokens' / 'reach:X:time' (the steps, generated tokens or seconds until the metric
+    first reaches X; a run that never does counts at its end, censored).
+    -> (kind, K, the auc's axis and token budget (axis, B) or the target (X, axis))"""
+    if spec in WITHDRAWN:
+        raise Withdrawn(f"aggregate {spec!r} is withdrawn: {WITHDRAWN[spec]}")
     kind, _, k = spec.partition(":")
     if kind in ("last", "gain") and k.isdigit() and int(k) >= 1:
         return kind, int(k)
-    if kind == "auc" and k in ("", "step", "tokens"):
-        return "auc", k or "step"
+    if kind == "auc" and k in ("", "step"):
+        return "auc", ("step", None)
+    if kind == "auc" and k.startswith("tokens:"):
+        budget = k.removeprefix("tokens:")
+        if budget.isdigit() and int(budget) >= 1:
+            return "auc", ("tokens", int(budget))
     if kind in ("final", "best", "gain", "start") and not k:
         return kind, 1
     if kind == "reach":
         value, _, axis = k.partition(":")
         try:
-            if axis in ("", "step", "tokens", "time"):
+            if axis in ("", "step", "tokens", "time") and math.isfinite(float(value)):
                 return "reach", (float(value), axis or "step")
         except ValueError:
             pass
     raise ValueError(
-        f"aggregate {spec!r}: use final, last:K (K >= 1), auc, auc:tokens, best, gain, gain:K, start or "
-        "reach:X[:tokens|:time]"
+        f"aggregate {spec!r}: use final, last:K (K >= 1), auc, auc:tokens:B (B >= 1 generated tokens), best, gain, "
+        "gain:K, start or reach:X[:tokens|:time] (X a finite number)"
     )
 
 
 def aggregate_name(spec: str) -> str:
+    if spec in WITHDRAWN:
+        return f"{spec} (withdrawn)"
     kind, k = parse_aggregate(spec)
     if kind == "reach":
         unit = {"step": "steps", "tokens": "generated tokens", "time": "seconds"}[k[1]]
         return f"{unit} to reach {k[0]:g}"
+    if kind == "auc":
+        return "area (mean over steps)" if k[1] is None else f"area (mean over the first {k[1]} generated tokens)"
     return {
         "final": "final",
         "last": f"mean of last {k}",
-        "auc": f"area (mean over {k if k == 'tokens' else 'steps'})",
         "best": "best after step 0",
         "gain": "final minus step 0" if k == 1 else f"mean of last {k} minus step 0",
         "start": "step-0 value",
@@ -273,9 +296,27 @@ def aggregate(run: RunHistory, metric: str, spec: str, lower: bool = False) -> f
         return sum(values[-k:]) / len(values[-k:])
     if kind == "best":
         return min(values) if lower else max(values)
+    axis, budget = k
+    at = x_of(run, axis)  # step -> position on the axis
+    xs = [at.get(s, float(s)) for s, _ in series]
+    if budget is not None:
+        return area_to(xs, values, budget)
     if len(series) == 1:
         return values[0]
-    at = x_of(run, k)  # step -> position on the axis
-    xs = [at.get(s, float(s)) for s, _ in series]
     area = sum((x1 - x0) * (v0 + v1) / 2 for x0, x1, v0, v1 in zip(xs, xs[1:], values, values[1:]))  # trapezoids
     return area / (xs[-1] - xs[0]) if xs[-1] > xs[0] else values[-1]
+
+
+def area_to(xs: list[float], values: list[float], budget: float) -> float | None:
+    """Mean height of the curve through (xs, values) from its first point to `budget` on its axis
+    (linear between points); None when the curve ends before `budget` (the run did not get there)."""
+    if xs[-1] < budget or xs[0] >= budget:
+        return None
+    area = 0.0
+    for x0, x1, v0, v1 in zip(xs, xs[1:], values, values[1:]):
+        if x0 >= budget:
+            break
+        end = min(x1, budget)
+        v_end = v0 + (v1 - v0) * (end - x0) / (x1 - x0) if x1 > x0 else v1
+        area += (end - x0) * (v0 + v_end) / 2  # a trapezoid, cut at the budget
+    return area / (budget - xs[0])

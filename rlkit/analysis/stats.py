@@ -77,6 +77,25 @@ class Difference:
         )
 
 
+@dataclass(frozen=True)
+class Row:
+    """One compared line of rlkit-compare or of a study's secondary metrics: `arm` against a
+    baseline on `metric`. `diff` is None for a line declared with a withdrawn aggregate (`withdrawn`
+    says why); it stays in Holm's family as a missing p."""
+
+    label: str
+    diff: Difference | None
+    robust: Robust | None
+    arm: str
+    metric: str
+    lower: bool
+    withdrawn: str = ""
+
+    @property
+    def p(self) -> float:
+        return self.diff.p if self.diff is not None else float("nan")
+
+
 def mean_ci(values: list[float], alpha: float = 0.05) -> tuple[float, float]:
     """Mean and half-width of the (1 - alpha) confidence interval (Student t) over runs; nan for n < 2."""
     n = len(values)

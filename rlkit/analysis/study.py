@@ -15,13 +15,13 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlkit.analysis.runs import parse_aggregate
+from rlkit.analysis.runs import WITHDRAWN, parse_aggregate
 
 
 @dataclass
 class MetricSpec:
     metric: str = MISSING  # a logged metric, e.g. eval/accuracy
-    aggregate: str = "last:3"  # each run's one number: final, last:K, auc, auc:tokens or best (after step 0)
+    aggregate: str = "last:3"  # each run's one number: final, last:K, auc, auc:tokens:B, best (after step 0), ...
     lower: bool = False  # lower values are better (lengths, losses)
 
 
@@ -162,6 +162,8 @@ def load_spec(path: Path) -> StudySpec:
     if spec.engagement is not None and spec.engagement.arm not in (None, *spec.arms):
         problems.append(f"engagement.arm {spec.engagement.arm!r} is not one of the arms ({', '.join(spec.arms)})")
     for m in [spec.primary, *spec.secondary, *spec.premises, *[c for c in (spec.engagement, spec.learning) if c]]:
+        if m in spec.secondary and m.aggregate in WITHDRAWN:
+            continue  # a declared secondary line stays in the family, reported as withdrawn
         try:
             parse_aggregate(m.aggregate)
         except ValueError as e:

@@ -11,7 +11,7 @@ from pathlib import Path
 from rlkit import atomic
 from rlkit.analysis import stats
 from rlkit.analysis.compare import fmt, plot
-from rlkit.analysis.runs import RunHistory, aggregate, aggregate_name, from_rows, lower_is_better
+from rlkit.analysis.runs import WITHDRAWN, RunHistory, aggregate, aggregate_name, from_rows, lower_is_better
 from rlkit.analysis.stats import mean_ci
 from rlkit.analysis.study import START, every_arm, learner, learning_margin, treatments
 from rlkit.sinks import flatten
@@ -271,31 +271,27 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
         "held": gates["premises"],
         **gate_lines,
         "secondary": secondary,
-        "secondary_holm": stats.holm([d.p for _, d, *_ in secondary]),
+        "secondary_holm": stats.holm([row.p for row in secondary]),
         "unfinished": unfinished,
         "unpaired": [line for arm in [*tested, *spec.controls] for line in unpaired(values, spec.baseline, arm)],
         "arms": arms,
     }
 
 
-def secondary_differences(spec, arms: dict, treatments: list[str], robust: bool) -> list[tuple]:
+def secondary_differences(spec, arms: dict, treatments: list[str], robust: bool) -> list[stats.Row]:
     """Each secondary metric's paired difference (and, when `robust`, its bootstrap statistics) for
-    every treatment: (label, difference, robust or None, arm, lower is better)."""
+    every treatment. A line declared with a withdrawn aggregate has no difference and stays in
+    Holm's family as a missing p."""
     lines = []
     for m in spec.secondary:
-        vals = per_run(arms, m, spec.unfinished)
         for arm in treatments:
-            a, b = pair(vals, spec.baseline, arm)
             label = f"{aggregate_name(m.aggregate)} {m.metric}: {arm} - {spec.baseline}"
-            lines.append(
-                (
-                    label,
-                    stats.paired(a, b, spec.alpha),
-                    stats.robust(a, b, m.lower, spec.alpha, paired=True) if robust else None,
-                    arm,
-                    m.lower,
-                )
-            )
+            if m.aggregate in WITHDRAWN:
+                lines.append(stats.Row(label, None, None, arm, m.metric, m.lower, WITHDRAWN[m.aggregate]))
+                continue
+            a, b = pair(per_run(arms, m, spec.unfinished), spec.baseline, arm)
+            rob = stats.robust(a, b, m.lower, spec.alpha, paired=True) if robust else None
+            lines.append(stats.Row(label, stats.paired(a, b, spec.alpha), rob, arm, m.metric, m.lower))
     return lines
 
 
@@ -400,11 +396,13 @@ def secondary_lines(spec, r: dict) -> list[str]:
         return []
     n = len(r["secondary"])
     lines = [f"### Secondary ({n} line{'s' if n > 1 else ''}, Holm-adjusted p beside each)", ""]
-    for (label, d, rob, arm, lower), p_adj in zip(r["secondary"], r["secondary_holm"]):
+    for row, p_adj in zip(r["secondary"], r["secondary_holm"]):
+        if row.diff is None:
+            lines.append(f"- {row.label}: not computed: {row.withdrawn}")
+            continue
         extra = "" if math.isnan(p_adj) else f"; Holm-adjusted p = {p_adj:.2g}"
-        lines.append(
-            f"- {label}: {d.describe()}{extra}" + (f"; {rob.describe(spec.baseline, arm, lower)}" if rob else "")
-        )
+        rob = f"; {row.robust.describe(spec.baseline, row.arm, row.lower)}" if row.robust else ""
+        lines.append(f"- {row.label}: {row.diff.describe()}{extra}{rob}")
     return lines + [""]
 
 
