@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlkit import atomic
 from rlkit.components import Engine, Environment
-from rlkit.config import build, check_values
+from rlkit.config import build, check_values, eval_seed
 from rlkit.evaluate import Sampling, answers, pass_at_k, presence, sampled_answers
 from rlkit.metrics import difficulties
 from rlkit.metrics import mean_or_none as mean
@@ -86,7 +86,7 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     rollout, budget = cfg.rollout, cfg.rollout.max_new_tokens
     with torch.no_grad():
         greedy = answers(engine.latest(), tokenizer, task, rows, cfg.eval.batch_size, budget, environment=environment)
-        how = Sampling(cfg.eval.batch_size, budget, rollout.temperature, rollout.top_p, cfg.eval.seed, environment)
+        how = Sampling(cfg.eval.batch_size, budget, rollout.temperature, rollout.top_p, eval_seed(cfg), environment)
         sampled = sampled_answers(engine.latest(), tokenizer, task, rows, n, how)
     present = presence(task, [r for r in rows for _ in range(n)], sampled.texts)  # [E * n]
     d = difficulties(rows)

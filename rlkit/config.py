@@ -76,7 +76,10 @@ class EvalConfig:
     batch_size: int = 256  # prompts per greedy generation batch
     max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
     samples: int = 0  # k > 0: also eval/mean@k, k completions per prompt at the rollout temperature
-    seed: int = 0  # random state of those samples, the same at every evaluation of every run
+    seed: int = 0  # random state of those samples, the same at every evaluation (of every run, unless seed_per_run)
+    seed_per_run: bool = False  # true: the samples' state is eval.seed + seed, so each run seed draws its own
+    # samples and a starting policy measured at several seeds carries its sampling error (a study whose
+    # baseline is `start` on a sampled metric needs it); false: one draw for every run
     pass_k: List[int] = field(default_factory=list)  # k of eval/pass@k (unbiased, from those samples), <= samples
 
 
@@ -339,6 +342,12 @@ def run_checks(cfg: DictConfig) -> list[tuple[bool, str]]:
         (cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}"),
         *((cfg[g] is not None, f"no option chosen for group '{g}'") for g in GROUPS),
     ]
+
+
+def eval_seed(cfg: DictConfig) -> int:
+    """The random state of a run's sampled evaluations (`eval.seed`, plus the run's seed with
+    `eval.seed_per_run`)."""
+    return cfg.eval.seed + (cfg.seed if cfg.eval.seed_per_run else 0)
 
 
 def resolved(cfg: DictConfig) -> dict:

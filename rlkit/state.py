@@ -27,7 +27,7 @@ from rlkit.components import (
     Sampler,
     Task,
 )
-from rlkit.config import shuffle_mode
+from rlkit.config import eval_seed, shuffle_mode
 
 if TYPE_CHECKING:  # for the annotations only: importing them here would load transformers and the strategies
     from transformers import PreTrainedTokenizerBase
@@ -124,7 +124,7 @@ class Settings:
                 samples=held_out.samples,
                 temperature=rollout.temperature,
                 top_p=rollout.top_p,
-                seed=held_out.seed,
+                seed=eval_seed(cfg),
                 pass_k=tuple(held_out.pass_k),
             ),
             old_logprobs=reused or loss.kl_in_reward or loss.selects_tokens or not parts.engine.exact_logprobs,

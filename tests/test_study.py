@@ -260,6 +260,34 @@ def test_the_cost_to_reach_a_target_counts_runs_that_never_reach_it_at_their_end
     assert aggregate_name("reach:0.5:tokens") == "generated tokens to reach 0.5"
 
 
+def sampled_rec(seed, final, start, per_run):
+    """A run logging a sampled metric, eval/pass@4, from `start` at step 0 to `final`."""
+    head, _ = rec("t", seed, final)
+    head["config"] = {"seed": seed, "eval": {"seed": 0, "seed_per_run": per_run}}
+    return head, [{"step": 0, "eval/pass@4": start}, {"step": 1, "eval/pass@4": final}]
+
+
+def test_a_start_sampled_once_for_every_seed_gives_no_verdict(tmp_path):
+    """`baseline: start` on a sampled metric: with one eval.seed for every run the start is one
+    measurement held at every seed (0.60 here), so the paired test leaves out its sampling error
+    and no verdict is given; with eval.seed_per_run each seed's start is its own draw."""
+    primary = {"metric": "eval/pass@4", "aggregate": "final", "direction": "higher", "smallest_effect": 0.05}
+    spec = write_spec(tmp_path, arms={"t": ["algo=grpo"]}, baseline="start", primary=primary, secondary=[])
+    once = [sampled_rec(s, v, 0.60, False) for s, v in enumerate([0.70, 0.72, 0.69, 0.71])]
+    r = analyse(spec, once, None)
+    word, why = r["verdicts"]["t"]
+    assert word == "not tested" and why.startswith("the starting policy was measured once")
+    assert r["start_measured"] is False and "4 of 4 runs drew every evaluation from one eval.seed" in r["start"][0]
+    assert "### Starting policy" in report(spec, "s", tmp_path, once, None)
+    own = [
+        sampled_rec(s, v, u, True) for s, (v, u) in enumerate([(0.70, 0.61), (0.72, 0.58), (0.69, 0.62), (0.71, 0.6)])
+    ]
+    r = analyse(spec, own, None)
+    assert r["start_measured"] is True and r["verdicts"]["t"][0] == "reproduced (not gated)"
+    greedy = write_spec(tmp_path, arms={"t": ["algo=grpo"]}, baseline="start")  # eval/accuracy: the same model
+    assert analyse(greedy, [rec("t", s, v) for s, v in enumerate([0.4, 0.42, 0.38])], None)["start_measured"] is None
+
+
 def test_a_study_against_the_starting_policy_pairs_each_run_with_its_own_step_zero(tmp_path):
     """`baseline: start`: each seed's starting policy is its step-0 evaluation held (0.3 in every
     record here), so the primary difference is each run's final minus its start, by hand: 0.10, 0.12,

@@ -170,3 +170,17 @@ def test_micro_batches_need_not_divide_the_batch(tmp_path, warm_cache):
     assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
     assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
     assert whole["accuracy_after"] == split["accuracy_after"]
+
+
+def test_eval_seed_per_run_gives_each_run_seed_its_own_evaluation_samples(tmp_path, warm_cache):
+    """The warm start is shared by the RL seeds, so the step-0 policy is the same model at seeds 0 and
+    1: one eval.seed draws it the same samples (a start measured once), eval.seed_per_run its own."""
+
+    def start(seed: int, per_run: bool) -> float:
+        folder = tmp_path / f"s{seed}_{per_run}"
+        overrides = ["steps=1", f"seed={seed}", "eval.samples=4", f"eval.seed_per_run={per_run}"]
+        run(make_cfg(overrides, cache_dir=warm_cache), str(folder))
+        return json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])["eval/mean@4"]
+
+    assert start(0, False) == start(1, False)
+    assert start(0, True) != start(1, True)

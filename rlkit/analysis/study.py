@@ -88,6 +88,7 @@ class Seeds:
 
 
 START = "start"  # the baseline that is each seed's starting policy: its step-0 evaluation, held (`learner`)
+SAMPLED = ("eval/mean@", "eval/pass@")  # the held-out metrics drawn from sampled completions (rlkit.evaluate)
 
 
 def learner(spec) -> str:

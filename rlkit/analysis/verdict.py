@@ -13,7 +13,7 @@ from rlkit.analysis import stats
 from rlkit.analysis.compare import fmt, plot
 from rlkit.analysis.runs import WITHDRAWN, RunHistory, aggregate, aggregate_name, from_rows, lower_is_better
 from rlkit.analysis.stats import mean_ci
-from rlkit.analysis.study import START, every_arm, learner, learning_margin, treatments
+from rlkit.analysis.study import SAMPLED, START, every_arm, learner, learning_margin, treatments
 from rlkit.sinks import flatten
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
@@ -107,6 +107,9 @@ def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict) ->
 
 
 GATE_WORDS = {
+    "start": "the starting policy was measured once: every run drew its sampled evaluation from one eval.seed, so "
+    "the start is one measurement held at every seed and its sampling error is missing from the test (rerun the "
+    "arms with eval.seed_per_run=true)",
     "learned": "the baseline did not learn by the learning margin, so the testbed cannot show the claim",
     "premises": "a premise of the claim did not hold on this testbed (see Premises)",
     "sensitive": "the positive control did not move the primary metric by the smallest effect: the testbed "
@@ -212,6 +215,23 @@ def sensitivity(spec, values: dict) -> tuple[bool | None, list[str]]:
     ]
 
 
+def start_measured(spec, arms: dict) -> tuple[bool | None, list[str]]:
+    """With `baseline: start` on a sampled metric: whether each run seed drew its own evaluation
+    samples (`eval.seed_per_run`), so that the start varies across seeds like any arm; None when
+    the baseline is an arm or the metric is greedy (the same model scored the same way)."""
+    if spec.baseline != START or not spec.primary.metric.startswith(SAMPLED):
+        return None, []
+    runs = list(arms.get(learner(spec), {}).values())
+    once = sum(not r.keys.get("eval.seed_per_run", False) for r in runs)
+    if not once:
+        return True, [f"{spec.primary.metric} is sampled; each run seed drew its own evaluation samples: passed"]
+    return False, [
+        f"{spec.primary.metric} is sampled, and {once} of {len(runs)} runs drew every evaluation from one eval.seed "
+        "(the same at every run seed): the start is one measurement, its sampling error missing from the paired "
+        "test: FAILED (rerun with eval.seed_per_run=true)"
+    ]
+
+
 def premises(spec, arms: dict) -> tuple[bool | None, list[str]]:
     """Whether every premise held (its arm's mean aggregate within its bound); None when none is declared."""
     if not spec.premises:
@@ -237,8 +257,12 @@ def gate_checks(spec, arms: dict, values: dict) -> tuple[dict, dict]:
     learned, learning_lines = learning(spec, arms)
     sensitive, sensitivity_lines = sensitivity(spec, values)
     held, premise_lines = premises(spec, arms)
+    measured, start_lines = start_measured(spec, arms)
     lines = {"learning": learning_lines, "sensitivity": sensitivity_lines, "premises": premise_lines}
-    return {"learned": learned, "premises": held, "sensitive": sensitive}, lines
+    return {"start": measured, "learned": learned, "premises": held, "sensitive": sensitive}, {
+        **lines,
+        "start": start_lines,
+    }
 
 
 def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict:
@@ -269,6 +293,7 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> dict
         "learned": gates["learned"],
         "sensitive": gates["sensitive"],
         "held": gates["premises"],
+        "start_measured": gates["start"],
         **gate_lines,
         "secondary": secondary,
         "secondary_holm": stats.holm([row.p for row in secondary]),
@@ -464,6 +489,8 @@ def report(spec, name: str, results: Path, records: list, plan: dict | None) -> 
         lines.append(f"| {arm} | {len(v)} | {fmt_ci(v)} |")
     lines.append("")
     lines += verdict_lines(spec, r)
+    if r["start"]:
+        lines += ["### Starting policy", "", *[f"- {x}" for x in r["start"]], ""]
     if r["learning"]:
         lines += ["### Learning check", "", *[f"- {x}" for x in r["learning"]], ""]
     lines += ["### Positive control", "", *[f"- {x}" for x in r["sensitivity"]], ""]
