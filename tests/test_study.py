@@ -372,6 +372,59 @@ def test_the_plan_comes_from_the_pilot_spread_at_the_declared_effect(tmp_path):
     assert p["needed"] == stats.seeds_for_power(0.05, sd, True) and p["seeds"] == min(8, p["needed"])
 
 
+def test_the_plan_covers_the_positive_control_and_the_learning_check(tmp_path):
+    """The gates that need power are planned from the pilot like the primary: the positive control at
+    its pilot effect (significant, and its mean past the smallest effect), the learning check at its
+    gains' excess over the margin; a gate whose pilot fell short of its bound is named."""
+    spec = gated(tmp_path, seeds={"pilot": 3, "cap": 40})
+    base, near = [0.40, 0.45, 0.50], [0.41, 0.44, 0.52]
+    control = [rec("c", s, v + d) for s, (v, d) in enumerate(zip(base, [0.05, 0.09, 0.07]))]  # +0.07, sd 0.02
+    p = plan(spec, records(base, near) + control)
+    c, sd = p["gates"]["positive control"], stats.inflated_sd(0.02, 3, 0.8)
+    assert c["pilot_effect"] == pytest.approx(0.07) and c["planning_sd"] == pytest.approx(sd)
+    # the mean past 0.05 with power 0.8: (0.8416 * sd / 0.02)^2 = 3.2 -> 4 pairs; significance needs 6
+    by_hand = math.ceil((stats.sps.norm.ppf(0.8) * sd / 0.02) ** 2)
+    assert by_hand == 4 and c["needed"] == stats.seeds_for_power(0.07, sd, True) == 6
+    learn = p["gates"]["learning check"]  # gains 0.10, 0.15, 0.20 against the margin 0.05 (gated_args)
+    assert learn["pilot_effect"] == pytest.approx(0.15) and learn["needed"] == stats.seeds_for_power(
+        0.10, stats.inflated_sd(0.05, 3, 0.8), True
+    )
+    assert p["needed"] == max(p["arms"]["t"]["needed"], c["needed"], learn["needed"]) and p["short"] == []
+    weak = [rec("c", s, v + 0.02) for s, v in enumerate(base)]  # +0.02: below the smallest effect
+    p = plan(spec, records(base, near) + weak)
+    assert p["gates"]["positive control"]["needed"] is None and p["short"] == ["positive control"]
+
+
+def test_a_plan_that_foreseeably_cannot_decide_stops_after_the_pilot_for_a_decision(tmp_path, monkeypatch, capsys):
+    """Past the cap the study stops (exit 4) naming what each part needs, and runs on only when told
+    (`--to-cap`, kept in plan.json). The pilot's records are written here and the runs after it are
+    counted instead of trained (the tiny study below trains real runs end to end)."""
+    from rlkit.analysis import runner
+    from rlkit.analysis.records import record_path
+    from rlkit.analysis.study import declared
+
+    folder = tmp_path / "experiments" / "noisy"
+    folder.mkdir(parents=True)
+    spec = write_spec(folder, seeds={"pilot": 3, "cap": 5})
+    for head, rows in records([0.3, 0.4, 0.5], [0.2, 0.6, 0.45]):  # sd 0.15 against an effect of 0.05: ~60 seeds
+        head.update(declared=declared(spec), overrides=overrides(spec, head["arm"]), rows=len(rows))
+        path = record_path(folder / "results", head["arm"], head["seed"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gzip.compress((json.dumps(head) + "\n" + "\n".join(map(json.dumps, rows))).encode()))
+    asked = []
+    monkeypatch.setattr(runner, "run_seeds", lambda spec, name, seeds, *a: asked.append(seeds))
+    monkeypatch.chdir(tmp_path)
+    assert study_main(["noisy"]) == 4
+    err = capsys.readouterr().err
+    assert "rlkit-study: decision needed: noisy: the plan needs" in err and "past the cap of 5" in err
+    assert "`rlkit-study noisy --to-cap` runs the planned 5 seeds anyway" in err and asked == [3]
+    assert study_main(["noisy"]) == 4 and asked == [3, 3]  # asked again: no decision was taken
+    assert study_main(["noisy", "--to-cap"]) == 0 and asked[-2:] == [3, 5]
+    assert json.loads((folder / "results" / "plan.json").read_text())["to_cap"] is True
+    capsys.readouterr()
+    assert study_main(["noisy"]) == 0 and asked[-1] == 5  # the decision is kept
+
+
 def test_no_verdict_or_comparison_is_reported_while_planned_runs_are_missing(tmp_path):
     """An interim look could steer a study, so its report shows the protocol and the runs still to
     come, and no comparison, until every run of the pilot (no plan yet) or of the plan is recorded."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from rlkit.analysis.study import (
     declared,
     every_arm,
     learner,
+    learning_margin,
     overrides,
     treatments,
     with_defaults,
@@ -153,9 +155,12 @@ def check_logged(spec: StudySpec, records: list) -> None:
 
 def plan(spec: StudySpec, records: list) -> dict:
     """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
-    declared smallest effect (an equivalence margin for `equal`); Bonferroni over the treatments."""
+    declared smallest effect (an equivalence margin for `equal`), Bonferroni over the treatments;
+    and for each gate that needs power (`gate_plans`: the positive control, the learning check) the
+    seeds it needs. The most any of them needs is the plan, up to the cap."""
     pilot = [(head, rows) for head, rows in records if head["seed"] < spec.seeds.pilot]  # a replan gives the same plan
-    values = per_run(runs_by_arm(pilot, spec)[0], spec.primary, spec.unfinished)
+    arms = runs_by_arm(pilot, spec)[0]
+    values = per_run(arms, spec.primary, spec.unfinished)
     tested = treatments(spec)
     alpha = spec.alpha / len(tested)
     out = {
@@ -167,7 +172,7 @@ def plan(spec: StudySpec, records: list) -> dict:
     }
     for arm in tested:
         d = stats.paired(*pair(values, spec.baseline, arm))  # a treatment whose pilot left no value: no pairs
-        sd = stats.inflated_sd(d.sd, d.n, spec.seeds.pilot_confidence) if d.n >= 2 else float("nan")
+        sd = raised(d, spec.seeds.pilot_confidence)
         if spec.primary.direction == "equal":
             need = stats.seeds_for_equivalence(spec.primary.smallest_effect, sd, spec.power, alpha)
         else:
@@ -178,6 +183,48 @@ def plan(spec: StudySpec, records: list) -> dict:
             "planning_sd": sd,
             "needed": need if need is not None else spec.seeds.pilot,
         }
-    needed = max(a["needed"] for a in out["arms"].values())
-    out.update(needed=needed, seeds=min(spec.seeds.cap, max(spec.seeds.pilot, needed)), capped=needed > spec.seeds.cap)
+    out["gates"] = gate_plans(spec, arms, values)
+    short = [g for g, v in out["gates"].items() if v["needed"] is None]
+    needed = max([a["needed"] for a in out["arms"].values()] + [g["needed"] or 0 for g in out["gates"].values()])
+    seeds = min(spec.seeds.cap, max(spec.seeds.pilot, needed))
+    out.update(needed=needed, seeds=seeds, capped=needed > spec.seeds.cap, short=short)
     return out
+
+
+def gate_plans(spec: StudySpec, arms: dict, values: dict) -> dict:
+    """{gate: the pilot's effect, its sd raised as the primary's is, seeds needed} for the gates that
+    need power, taking the pilot's effect as the true one (a gate is no claim: its strength is the
+    testbed's): the positive control, whose paired difference from the baseline must be significant
+    and at least the smallest effect, and the learning check, whose gains' interval must clear the
+    margin. `needed` is None when the pilot fell short of the gate's bound (the control moved less
+    than the smallest effect, or the mean gain stayed under the margin): more seeds would
+    foreseeably not pass it."""
+    out, power, alpha, conf = {}, spec.power, spec.alpha, spec.seeds.pilot_confidence
+    if spec.sensitivity is not None:
+        S = spec.sensitivity
+        sign = 1 if (S.direction or spec.primary.direction) == "higher" else -1
+        d = stats.paired(*pair(values, spec.baseline, S.arm))
+        sd = raised(d, conf)
+        effect, delta = sign * d.diff, spec.primary.smallest_effect
+        need = None
+        if effect > delta:  # significant against 0, and the mean past the smallest effect, each with `power`
+            need = max(stats.seeds_for_power(effect, sd, True, power, alpha) or 2, beyond(effect - delta, sd, power))
+        out["positive control"] = {"pilot_effect": effect, "pilot_sd": d.sd, "planning_sd": sd, "needed": need}
+    if spec.learning is not None:
+        gains = list(per_run(arms, spec.learning, spec.unfinished).get(learner(spec), {}).values())
+        d = stats.paired([0.0] * len(gains), gains)
+        sd, excess = raised(d, conf), d.diff - learning_margin(spec)
+        # the interval's lower end past the margin: a one-sided test of the excess at alpha / 2
+        need = (stats.seeds_for_power(excess, sd, True, power, alpha) or 2) if excess > 0 else None
+        out["learning check"] = {"pilot_effect": d.diff, "pilot_sd": d.sd, "planning_sd": sd, "needed": need}
+    return out
+
+
+def raised(d: stats.Difference, confidence: float) -> float:
+    """The pilot's sd raised to its upper confidence limit (nan below two pairs)."""
+    return stats.inflated_sd(d.sd, d.n, confidence) if d.n >= 2 else float("nan")
+
+
+def beyond(excess: float, sd: float, power: float) -> int:
+    """Pairs at which a mean whose true value lies `excess` past a bound lands past it with `power`."""
+    return 2 if not sd > 0 else max(2, math.ceil((stats.sps.norm.ppf(power) * sd / excess) ** 2))

@@ -15,7 +15,7 @@ from rlkit import atomic
 from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
 from rlkit.analysis.study import Stopped, StudySpec, overrides
 from rlkit.analysis.verdict import planned_runs
-from rlkit.exits import EXIT_PREEMPTED
+from rlkit.exits import EXIT_DECISION, EXIT_PREEMPTED
 from rlkit.signals import STOPS
 
 
@@ -139,13 +139,16 @@ def outcome(
     )
 
 
-def run_all(spec: StudySpec, name: str, runs: Path, results: Path, jobs: int = 1) -> None:
-    """The pilot, the plan (fixed once), then the planned seeds, `jobs` runs at a time."""
+def run_all(spec: StudySpec, name: str, runs: Path, results: Path, jobs: int = 1, to_cap: bool = False) -> None:
+    """The pilot, the plan (fixed once), then the planned seeds, `jobs` runs at a time; a plan that
+    foreseeably cannot decide stops for a decision (`to_cap` takes it: run to the cap)."""
     with Signals() as signals:
-        run_planned(spec, name, runs, results, signals, jobs)
+        run_planned(spec, name, runs, results, signals, jobs, to_cap)
 
 
-def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals, jobs: int) -> None:
+def run_planned(
+    spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals, jobs: int, to_cap: bool
+) -> None:
     check_declaration(spec, name, results, read_records(results))
     run_seeds(spec, name, spec.seeds.pilot, runs, results, signals, jobs)
     check_logged(spec, read_records(results))
@@ -157,4 +160,29 @@ def run_planned(spec: StudySpec, name: str, runs: Path, results: Path, signals: 
         f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap {fixed['cap']})",
         file=sys.stderr,
     )
+    if fixed["seeds"] > spec.seeds.pilot and undecidable(fixed) and not fixed.get("to_cap"):
+        if not to_cap:
+            raise Stopped(EXIT_DECISION, decision(name, spec, fixed))
+        atomic.write_text(plan_file, json.dumps({**fixed, "to_cap": True}, indent=1))  # the decision, kept
     run_seeds(spec, name, fixed["seeds"], runs, results, signals, jobs)
+
+
+def undecidable(fixed: dict) -> bool:
+    """Whether the plan foreseeably ends without a decision: it needs more seeds than the cap, or the
+    pilot fell short of a gate's bound."""
+    return bool(fixed.get("capped") or fixed.get("short"))
+
+
+def decision(name: str, spec: StudySpec, fixed: dict) -> str:
+    """Why the study stops after its pilot, and the two ways on."""
+    why = [f"the plan needs {fixed['needed']} seeds per arm, past the cap of {fixed['cap']}"] if fixed["capped"] else []
+    why += [f"the pilot fell short of the {gate}'s bound" for gate in fixed.get("short", [])]
+    needs = "; ".join(
+        f"{what}: {v['needed'] if v['needed'] is not None else 'short'}"
+        for what, v in [*fixed["arms"].items(), *fixed.get("gates", {}).items()]
+    )
+    return (
+        f"{name}: {' and '.join(why)} ({needs}), so running to the cap would foreseeably end inconclusive or not "
+        f"tested. Decide: `rlkit-study {name} --to-cap` runs the planned {fixed['seeds']} seeds anyway (kept in "
+        "plan.json), or declare a new study (a higher cap, a stronger mechanism); the pilot's records are kept"
+    )

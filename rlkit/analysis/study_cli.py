@@ -7,6 +7,7 @@ resumes from its checkpoint, and the plan is never recomputed.
     rlkit-study length_bias                 # pilot, plan, runs, analysis, README
     rlkit-study length_bias --jobs 2        # two runs at a time (each on one thread): the same records
     rlkit-study length_bias --analyse-only  # recompute every number from results/ alone
+    rlkit-study length_bias --to-cap        # run a plan that needs more seeds than the cap anyway
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rlkit.analysis.records import check_declaration, read_plan, read_records
 from rlkit.analysis.runner import run_all
 from rlkit.analysis.study import Stopped, StudyError, load_spec
 from rlkit.analysis.verdict import write_report
-from rlkit.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from rlkit.exits import EXIT_BAD_INPUT, EXIT_DECISION, EXIT_PREEMPTED
 
 
 def study_paths(target: str) -> tuple[str, Path]:
@@ -44,6 +45,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=Path, help="where run directories go (default: outputs/studies/<name>)")
     p.add_argument("--analyse-only", action="store_true", help="no runs: recompute the analysis from results/")
     p.add_argument(
+        "--to-cap",
+        action="store_true",
+        help="when the pilot's plan foreseeably cannot decide (it needs more seeds than the cap, or a gate's pilot "
+        "fell short), run the planned seeds anyway; without it the study stops after its pilot (exit 4) and asks",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -65,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     results, runs = path.parent / "results", a.runs or Path("outputs", "studies", name)
     try:
         if not a.analyse_only:
-            run_all(spec, name, runs, results, a.jobs)
+            run_all(spec, name, runs, results, a.jobs, a.to_cap)
         records, plan_file = read_records(results), results / "plan.json"
         check_declaration(spec, name, results, records)
         fixed = read_plan(plan_file) if plan_file.exists() else None
     except Stopped as e:
-        print(f"rlkit-study: {'error: ' if e.code != EXIT_PREEMPTED else ''}{e}", file=sys.stderr)
+        kind = {EXIT_PREEMPTED: "", EXIT_DECISION: "decision needed: "}.get(e.code, "error: ")
+        print(f"rlkit-study: {kind}{e}", file=sys.stderr)
         return e.code
     if not records:
         print(f"rlkit-study: error: {name}: no recorded runs in {results / 'runs'}", file=sys.stderr)

@@ -340,7 +340,12 @@ def seed_words(spec, plan: dict | None) -> str:
     sds = "".join(
         f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}" for a, v in plan["arms"].items()
     )
-    return seeds + f"; planned {plan['seeds']} per arm (needed {plan['needed']}{sds})"
+    gates = "".join(
+        f"; {g}: needs {v['needed'] if v['needed'] is not None else 'more than any count (the pilot fell short)'}"
+        for g, v in plan.get("gates", {}).items()
+    )
+    to_cap = "; run to the cap by decision (--to-cap)" if plan.get("to_cap") else ""
+    return seeds + f"; planned {plan['seeds']} per arm (needed {plan['needed']}{sds}{gates}){to_cap}"
 
 
 def gate_words(spec) -> list[str]:
