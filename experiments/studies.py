@@ -8,13 +8,14 @@ the `**Status.**` line of its README.
     python experiments/studies.py --write   # and writes it into the README, between its markers
 """
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
 
 from rlkit.analysis.records import read_plan, read_records
-from rlkit.analysis.study import load_spec
-from rlkit.analysis.verdict import analyse, missing_runs
+from rlkit.analysis.study import Premise, load_spec
+from rlkit.analysis.verdict import analyse, missing_runs, premises
 
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
@@ -35,6 +36,18 @@ STUDIES = [
     "calculator_smollm2",
 ]
 
+# premises a study's claim needs that its declaration left out, checked on its records after the runs
+# and shown beside its verdict (never changing it): what the verdict is worth
+POST_HOC = {
+    "length_bias_smollm2_powered": Premise(
+        metric="eval/len_incorrect",
+        aggregate="gain:2",
+        arm="token_mean",
+        at_least=2.0,
+        why="the baseline's incorrect answers grow by the smallest effect (the mechanism acts)",
+    ),
+}
+
 
 def verdicts(name: str) -> dict | None:
     """{treatment: (verdict, primary difference in words, labelled with the arms it compares)} of a
@@ -47,6 +60,10 @@ def verdicts(name: str) -> dict | None:
     if missing_runs(spec, records, fixed):
         return None
     r = analyse(spec, records, fixed, robust=False)
+    r["covers"] = covers(spec, records)
+    r["post_hoc"] = (
+        premises(dataclasses.replace(spec, premises=[POST_HOC[name]]), r["arms"]) if name in POST_HOC else None
+    )
     claimed_equal = spec.primary.direction == "equal"
     return {
         arm: (
@@ -56,6 +73,18 @@ def verdicts(name: str) -> dict | None:
         )
         for arm in r["treatments"]
     }
+
+
+def covers(spec, records: list) -> str:
+    """What a verdict was tested on, from its runs: model, task, steps, and for pass@k the k range."""
+    heads = [h for h, _ in records]
+    models = sorted({str(h["choices"].get("model", "?")) for h in heads})
+    tasks = sorted({str(h["choices"].get("task", "?")) for h in heads})
+    steps = sorted({h["config"]["steps"] for h in heads})
+    parts = [*models, *tasks, f"{'/'.join(map(str, steps))} steps"]
+    if spec.primary.metric.startswith("eval/pass@"):
+        parts.append(f"k <= {max(k for h in heads for k in h['config']['eval']['pass_k'])}")
+    return ", ".join(parts)
 
 
 def word(verdict: str, reason: str, claimed_equal: bool) -> str:
@@ -106,7 +135,7 @@ def row(name: str) -> str:
     link = f"[{name}](experiments/{name}/README.md)"
     mine = verdicts(name)
     if mine is None:
-        return f"| {link} | {claim} | open | | {status(name)} |"
+        return f"| {link} | {claim} | open | | | {status(name)} |"
     again, agree = second(name)
     words, numbers, replication = [], [], []
     for arm, (verdict, diff, r) in mine.items():
@@ -115,17 +144,19 @@ def row(name: str) -> str:
         if again is not None:
             replication.append(replicated(verdict, *again[arm], words=agree))
     learned = {True: "; baseline learned", False: "; baseline did not learn by the margin", None: ""}[r["learned"]]
+    held, lines = r["post_hoc"] or (True, [])
+    worth = "" if held else f"; but a premise checked after the runs did not hold: {lines[0]}"
     return (
-        f"| {link} | {claim} | {'; '.join(words)} | {'; '.join(replication) or 'not run'} | "
+        f"| {link} | {claim} | {'; '.join(words)}{worth} | {r['covers']} | {'; '.join(replication) or 'not run'} | "
         f"{'; '.join(numbers)}{learned} |"
     )
 
 
 def table() -> str:
     head = [
-        "| study | claim | verdict | replication (warm_start.seed=1) or carry-over (tiny)"
+        "| study | claim | verdict | tested on | replication (warm_start.seed=1) or carry-over (tiny)"
         " | primary difference (95% interval) |",
-        "|---|---|---|---|---|",
+        "|---|---|---|---|---|---|",
     ]
     return "\n".join(head + [row(name) for name in STUDIES])
 

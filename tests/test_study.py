@@ -277,13 +277,14 @@ def test_a_start_sampled_once_for_every_seed_gives_no_verdict(tmp_path):
     r = analyse(spec, once, None)
     word, why = r["verdicts"]["t"]
     assert word == "not tested" and why.startswith("the starting policy was measured once")
-    assert r["start_measured"] is False and "4 of 4 runs drew every evaluation from one eval.seed" in r["start"][0]
+    assert r["start_measured"] is False and "the start is 0.6 at each of 4 seeds: one measurement" in r["start"][0]
     assert "### Starting policy" in report(spec, "s", tmp_path, once, None)
-    own = [
-        sampled_rec(s, v, u, True) for s, (v, u) in enumerate([(0.70, 0.61), (0.72, 0.58), (0.69, 0.62), (0.71, 0.6)])
-    ]
+    draws = [(0.70, 0.61), (0.72, 0.58), (0.69, 0.62), (0.71, 0.6)]  # (final, start) at each seed
+    own = [sampled_rec(s, v, u, True) for s, (v, u) in enumerate(draws)]
     r = analyse(spec, own, None)
     assert r["start_measured"] is True and r["verdicts"]["t"][0] == "reproduced (not gated)"
+    own_starts = [sampled_rec(s, v, u, False) for s, (v, u) in enumerate(draws)]  # a warm start per seed
+    assert analyse(spec, own_starts, None)["start_measured"] is True
     greedy = write_spec(tmp_path, arms={"t": ["algo=grpo"]}, baseline="start")  # eval/accuracy: the same model
     assert analyse(greedy, [rec("t", s, v) for s, v in enumerate([0.4, 0.42, 0.38])], None)["start_measured"] is None
 
@@ -636,6 +637,14 @@ def test_the_dense_evaluation_calibration_is_the_one_its_readme_shows_and_thins_
     assert dense.area("uniform", 0, "eval/accuracy", {0, 10, 20}) == pytest.approx(by_hand, abs=1e-12)
     every = [(acc[s] + acc[s + 2]) / 2 for s in range(0, 20, 2)]  # ten trapezoids of width 2
     assert dense.area("uniform", 0, "eval/accuracy", None) == pytest.approx(sum(every) / 10, abs=1e-12)
+
+
+def test_the_dense_study_s_equal_token_comparison_is_the_one_its_readme_shows():
+    """The post-hoc comparison at equal generated tokens comes from the kept records by one command."""
+    folder = REPO / "experiments" / "dynamic_sampling_smollm2_dense"
+    lines = script(folder / "analysis" / "equal_tokens.py").lines()
+    assert "\n".join(lines) in (folder / "README.md").read_text()
+    assert "dapo - uniform: -0.037 [-0.048, -0.026]" in lines[1]  # behind at equal tokens, ahead per step
 
 
 def test_a_carry_over_that_was_not_tested_labels_the_difference_it_shows():

@@ -216,18 +216,23 @@ def sensitivity(spec, values: dict) -> tuple[bool | None, list[str]]:
 
 
 def start_measured(spec, arms: dict) -> tuple[bool | None, list[str]]:
-    """With `baseline: start` on a sampled metric: whether each run seed drew its own evaluation
-    samples (`eval.seed_per_run`), so that the start varies across seeds like any arm; None when
-    the baseline is an arm or the metric is greedy (the same model scored the same way)."""
+    """With `baseline: start` on a sampled metric: whether the start varies across seeds like any
+    arm, because each run seed drew its own evaluation samples (`eval.seed_per_run`) or started
+    from its own policy (a warm start per seed: its values differ). It fails when one policy was
+    sampled with one eval.seed at every seed: one measurement, held. None when the baseline is an
+    arm or the metric is greedy (the same model scored the same way)."""
     if spec.baseline != START or not spec.primary.metric.startswith(SAMPLED):
         return None, []
     runs = list(arms.get(learner(spec), {}).values())
-    once = sum(not r.keys.get("eval.seed_per_run", False) for r in runs)
-    if not once:
-        return True, [f"{spec.primary.metric} is sampled; each run seed drew its own evaluation samples: passed"]
+    starts = {aggregate(r, spec.primary.metric, "start") for r in runs}
+    metric = spec.primary.metric
+    if all(r.keys.get("eval.seed_per_run", False) for r in runs):
+        return True, [f"{metric} is sampled; each run seed drew its own evaluation samples: passed"]
+    if len(starts) > 1:
+        return True, [f"{metric} is sampled with one eval.seed, from {len(starts)} different starts: passed"]
     return False, [
-        f"{spec.primary.metric} is sampled, and {once} of {len(runs)} runs drew every evaluation from one eval.seed "
-        "(the same at every run seed): the start is one measurement, its sampling error missing from the paired "
+        f"{metric} is sampled, and every run drew its evaluation from one eval.seed, so the start is "
+        f"{starts.pop():.4g} at each of {len(runs)} seeds: one measurement, its sampling error missing from the paired "
         "test: FAILED (rerun with eval.seed_per_run=true)"
     ]
 
