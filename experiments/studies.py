@@ -13,9 +13,11 @@ import re
 import sys
 from pathlib import Path
 
+from rlkit.analysis.arms import missing_runs
+from rlkit.analysis.decision import analyse, premises_gate
 from rlkit.analysis.records import read_plan, read_records
 from rlkit.analysis.study import Premise, load_spec
-from rlkit.analysis.verdict import analyse, missing_runs, premises
+from rlkit.analysis.values import Analysis, Gate, Verdict
 
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
@@ -49,9 +51,18 @@ POST_HOC = {
 }
 
 
-def verdicts(name: str) -> dict | None:
-    """{treatment: (verdict, primary difference in words, labelled with the arms it compares)} of a
-    study whose planned runs are all recorded, else None (no interim verdict)."""
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One treatment of a complete study, as the table shows it."""
+
+    verdict: Verdict
+    words: str  # the verdict in the table's words
+    diff: str  # the primary difference, labelled with the arms it compares
+
+
+def verdicts(name: str) -> tuple[dict[str, Result], Analysis, str, Gate | None] | None:
+    """Of a study whose planned runs are all recorded: {treatment: Result}, its analysis, what it was
+    tested on and its post-hoc premise (None: none); else None (no interim verdict)."""
     folder = HERE / name
     if not (folder / "results" / "plan.json").exists():
         return None
@@ -60,19 +71,13 @@ def verdicts(name: str) -> dict | None:
     if missing_runs(spec, records, fixed):
         return None
     r = analyse(spec, records, fixed, robust=False)
-    r["covers"] = covers(spec, records)
-    r["post_hoc"] = (
-        premises(dataclasses.replace(spec, premises=[POST_HOC[name]]), r["arms"]) if name in POST_HOC else None
-    )
+    post_hoc = premises_gate(dataclasses.replace(spec, premises=[POST_HOC[name]]), r.arms) if name in POST_HOC else None
     claimed_equal = spec.primary.direction == "equal"
-    return {
-        arm: (
-            word(*r["verdicts"][arm], claimed_equal),
-            f"{arm} - {spec.baseline}: {short(r['diffs'][arm].describe())}",
-            r,
-        )
-        for arm in r["treatments"]
+    results = {
+        arm: Result(v, word(v, claimed_equal), f"{arm} - {spec.baseline}: {r.diffs[arm].brief()}")
+        for arm, v in r.verdicts.items()
     }
+    return results, r, covers(spec, records), post_hoc
 
 
 def covers(spec, records: list) -> str:
@@ -87,24 +92,13 @@ def covers(spec, records: list) -> str:
     return ", ".join(parts)
 
 
-def word(verdict: str, reason: str, claimed_equal: bool) -> str:
+def word(v: Verdict, claimed_equal: bool) -> str:
     """The verdict, saying why a study was not tested and what `equivalent` means for a claimed direction."""
-    if verdict == "not tested":
-        return f"not tested: {gist(reason)}"
-    if claimed_equal or not verdict.startswith("equivalent"):
-        return verdict
-    return verdict.replace("equivalent", "equivalent (no effect either way: not reproduced)", 1)
-
-
-def gist(reason: str) -> str:
-    """A reason's first clause."""
-    return reason.split(",")[0].split(";")[0].split(" (")[0]
-
-
-def short(described: str) -> str:
-    """`+0.130 [+0.112, +0.148], d_z = ..., p = 6.2e-07 (paired t, n = 8)` -> `+0.130 [+0.112, +0.148] (n = 8)`"""
-    n, head = re.search(r"n = \d+", described), described.split(", d_z")[0]
-    return head + (f" ({n.group(0)})" if n and n.group(0) not in head else "")
+    if v.word == "not tested":
+        return f"not tested: {v.short}"
+    if claimed_equal or v.word != "equivalent":
+        return v.text
+    return "equivalent (no effect either way: not reproduced)" + (" (not gated)" if v.ungated else "")
 
 
 def status(name: str) -> str:
@@ -112,14 +106,15 @@ def status(name: str) -> str:
     return found.group(1) if found else "not run"
 
 
-def replicated(verdict: str, again: str, diff: str, r: dict, words=("replicated", "not replicated")) -> str:
+def replicated(mine: Result, again: Result, words=("replicated", "not replicated")) -> str:
     """The replication's (or carry-over's) outcome against the original verdict."""
-    if again.startswith("not tested"):
-        return f"{again}; its primary difference {diff}"  # not the gate's number
-    return f"{words[0]} ({diff})" if again == verdict else f"{words[1]}: {again} ({diff})"
+    if again.verdict.word == "not tested":
+        return f"{again.words}; its primary difference {again.diff}"  # not the gate's number
+    agrees = again.verdict.text == mine.verdict.text
+    return f"{words[0]} ({again.diff})" if agrees else f"{words[1]}: {again.words} ({again.diff})"
 
 
-def second(name: str) -> tuple[dict | None, tuple[str, str]]:
+def second(name: str) -> tuple[tuple | None, tuple[str, str]]:
     """The study's replication (`<name>_ws1`) or carry-over (`<name>_tiny`) verdicts, and the words
     for agreeing and not."""
     seconds = {"_ws1": ("replicated", "not replicated"), "_tiny": ("carries over", "does not carry over")}
@@ -133,22 +128,22 @@ def row(name: str) -> str:
     spec = load_spec(HERE / name / "study.yaml")
     claim = " ".join(spec.claim.split())
     link = f"[{name}](experiments/{name}/README.md)"
-    mine = verdicts(name)
-    if mine is None:
+    found = verdicts(name)
+    if found is None:
         return f"| {link} | {claim} | open | | | {status(name)} |"
+    mine, r, tested_on, post_hoc = found
     again, agree = second(name)
-    words, numbers, replication = [], [], []
-    for arm, (verdict, diff, r) in mine.items():
-        words.append(f"{arm}: {verdict}" if len(mine) > 1 else verdict)
-        numbers.append(diff)
-        if again is not None:
-            replication.append(replicated(verdict, *again[arm], words=agree))
-    learned = {True: "; baseline learned", False: "; baseline did not learn by the margin", None: ""}[r["learned"]]
-    held, lines = r["post_hoc"] or (True, [])
-    worth = "" if held else f"; but a premise checked after the runs did not hold: {lines[0]}"
+    words = [f"{arm}: {x.words}" if len(mine) > 1 else x.words for arm, x in mine.items()]
+    replication = [replicated(x, again[0][arm], words=agree) for arm, x in mine.items()] if again else []
+    learned = {True: "; baseline learned", False: "; baseline did not learn by the margin", None: ""}[r.learned]
+    worth = (
+        f"; but a premise checked after the runs did not hold: {post_hoc.lines[0]}"
+        if post_hoc and post_hoc.failed
+        else ""
+    )
     return (
-        f"| {link} | {claim} | {'; '.join(words)}{worth} | {r['covers']} | {'; '.join(replication) or 'not run'} | "
-        f"{'; '.join(numbers)}{learned} |"
+        f"| {link} | {claim} | {'; '.join(words)}{worth} | {tested_on} | {'; '.join(replication) or 'not run'} | "
+        f"{'; '.join(x.diff for x in mine.values())}{learned} |"
     )
 
 

@@ -20,11 +20,13 @@ from hydra import compose, initialize_config_module
 from cli import TIMING
 from conftest import FAST, make_cfg
 from rlkit.analysis import stats
+from rlkit.analysis.decision import analyse
 from rlkit.analysis.records import check_logged, plan, read_records
 from rlkit.analysis.runs import aggregate_name, reached
 from rlkit.analysis.study import Stopped, StudyError, every_arm, load_spec, overrides
 from rlkit.analysis.study_cli import main as study_main
-from rlkit.analysis.verdict import MARKER, analyse, report
+from rlkit.analysis.values import State, Verdict
+from rlkit.analysis.verdict import MARKER, report
 from rlkit.session import run
 from rlkit.setup import validate
 
@@ -69,7 +71,18 @@ def records(base, treat, **kw):
 
 
 def verdict(spec, recs, plan_=None):
-    return analyse(spec, recs, plan_)["verdicts"]["t"]
+    """The verdict of treatment t as the README heads it, and its reason in full."""
+    return words(analyse(spec, recs, plan_))
+
+
+def words(r) -> tuple[str, str]:
+    v = r.verdicts["t"]
+    return v.text, v.why
+
+
+def passed(g) -> bool | None:
+    """A gate's outcome as True (passed), False (failed) or None (not declared)."""
+    return None if g.state is State.UNDECLARED else g.state is State.PASSED
 
 
 def test_a_study_file_that_cannot_run_is_named(tmp_path, capsys):
@@ -107,8 +120,8 @@ def test_a_withdrawn_aggregate_is_refused_for_new_lines_and_shown_as_withdrawn_w
     )
     recs = records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44], length=12.0)
     r = analyse(spec, recs, None)
-    assert r["secondary"][0].diff is None and math.isnan(r["secondary_holm"][0])
-    assert r["secondary_holm"][1] == pytest.approx(min(1.0, 2 * r["secondary"][1].p))  # two lines in the family
+    assert r.secondary[0].diff is None and math.isnan(r.secondary_holm[0])
+    assert r.secondary_holm[1] == pytest.approx(min(1.0, 2 * r.secondary[1].p))  # two lines in the family
     text = report(spec, "s", tmp_path, recs, None)
     assert "- auc:tokens (withdrawn) eval/accuracy: t - b: not computed: it divided each run's area by" in text
 
@@ -138,15 +151,17 @@ def test_verdicts_follow_the_four_outcomes_of_equivalence_testing(tmp_path):
         rec("u", s, v) for s, v in enumerate([0.301, 0.398, 0.5015, 0.349])
     ]
     r = analyse(two, recs, None)  # TOST's p goes through Holm across the treatments too, not only significance
-    raw = [r["diffs"][a].tost(0.05) for a in ("t", "u")]
-    assert list(r["p_tost_adjusted"].values()) == pytest.approx(stats.holm(raw))
-    assert min(r["p_tost_adjusted"].values()) == pytest.approx(2 * min(raw))  # the smaller raw p times m = 2
+    raw = [r.diffs[a].tost(0.05) for a in ("t", "u")]
+    assert list(r.p_tost_adjusted.values()) == pytest.approx(stats.holm(raw))
+    assert min(r.p_tost_adjusted.values()) == pytest.approx(2 * min(raw))  # the smaller raw p times m = 2
     engaged = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11})
     assert verdict(engaged, records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44]))[0] == "not tested"
     in_base = write_spec(tmp_path, engagement={"metric": "train/len", "aggregate": "final", "at_least": 11, "arm": "b"})
     recs = records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44], length=12.0)  # only t's runs reach 11
     assert verdict(in_base, recs)[0] == "not tested"  # the declared arm (the baseline) is the one checked
-    assert analyse(in_base, recs, None)["engagement"] == ["b: final train/len = 10 over 4 runs, needs >= 11: FAILED"]
+    assert list(analyse(in_base, recs, None).engagement_lines) == [
+        "b: final train/len = 10 over 4 runs, needs >= 11: FAILED"
+    ]
     with pytest.raises(StudyError, match="engagement.arm 'x' is not one of the arms"):
         write_spec(tmp_path, engagement={"metric": "m", "at_least": 1, "arm": "x"})
 
@@ -172,33 +187,40 @@ def test_a_positive_control_a_premise_and_the_learning_margin_gate_every_verdict
     base, near = [0.4, 0.45, 0.5, 0.42, 0.47], [0.401, 0.448, 0.5015, 0.419, 0.4705]  # base gains 0.10 .. 0.20
     moved = [rec("c", s, v + 0.1 + 0.01 * (s % 2)) for s, v in enumerate(base)]  # the control: +0.10 or +0.11
     r = analyse(spec, records(base, near) + moved, None)
-    assert r["learned"] and r["sensitive"] and r["held"]
-    assert r["verdicts"]["t"][0] == "equivalent"  # the testbed showed it can see +0.05, so the null means something
-    assert r["sensitivity"][0].startswith("c - b (positive control, needs higher by >= 0.05, p < 0.05): +0.104 [")
-    assert r["premises"] == [
+    assert r.learned and passed(r.gates["sensitivity"]) and passed(r.gates["premises"])
+    assert r.verdicts["t"].text == "equivalent"  # the testbed showed it can see +0.05, so the null means something
+    assert (
+        r.gates["sensitivity"]
+        .lines[0]
+        .startswith("c - b (positive control, needs higher by >= 0.05, p < 0.05): +0.104 [")
+    )
+    assert list(r.gates["premises"].lines) == [
         "the start is far from the ceiling: b's step-0 value eval/accuracy = 0.3 over 5 runs, needs <= 0.35: held"
     ]
     weak = [rec("c", s, v + 0.03 + 0.01 * (s % 2)) for s, v in enumerate(base)]  # +0.034: significant, too small
-    word, why = analyse(spec, records(base, near) + weak, None)["verdicts"]["t"]
+    word, why = words(analyse(spec, records(base, near) + weak, None))
     assert word == "not tested" and why.startswith("the positive control did not move the primary metric")
     high_start = write_spec(tmp_path, **{**gated_args(), "premises": [{"metric": "eval/accuracy", "at_most": 0.2}]})
-    word, why = analyse(high_start, records(base, near) + moved, None)["verdicts"]["t"]
+    word, why = words(analyse(high_start, records(base, near) + moved, None))
     assert word == "not tested" and why.startswith("a premise of the claim did not hold")
     slow = records([0.35, 0.36, 0.38, 0.37, 0.36], [0.36, 0.36, 0.38, 0.38, 0.36])  # gains 0.05 .. 0.08: > 0 only
     r = analyse(spec, slow + [rec("c", s, 0.5) for s in range(5)], None)
-    assert r["learned"] is False and r["verdicts"]["t"][0] == "not tested"  # interval [+0.045, +0.077] not > 0.05
-    assert "needs its interval above 0.05: FAILED, the baseline did not learn by the margin" in r["learning"][0]
+    assert r.learned is False and r.verdicts["t"].text == "not tested"  # interval [+0.045, +0.077] not > 0.05
+    assert (
+        "needs its interval above 0.05: FAILED, the baseline did not learn by the margin"
+        in r.gates["learning"].lines[0]
+    )
     ceiling = records([0.9] * 5, near)  # every run of b from 0.3 to 0.9: one gain five times, no spread
     r = analyse(spec, ceiling + moved, None)
-    assert r["learned"] is True  # +0.6 in every run: past the margin (once "no spread, so there is no test")
-    line = r["learning"][0]
+    assert r.learned is True  # +0.6 in every run: past the margin (once "no spread, so there is no test")
+    line = r.gates["learning"].lines[0]
     assert "+0.600 in every one of 5 pairs (no spread: p = 0" in line and line.endswith("passed")
     flat = records([0.3] * 5, near)  # every run of b gains nothing
-    assert analyse(spec, flat + moved, None)["learned"] is False
+    assert analyse(spec, flat + moved, None).learned is False
     default = write_spec(tmp_path, learning={"aggregate": "gain:2"})  # margin: twice the smallest effect, 0.1
-    assert analyse(default, records(base, near), None)["learned"] is False  # gains +0.148 [+0.099, +0.197]
-    assert analyse(default, records([0.5, 0.55, 0.6, 0.52, 0.57], near), None)["learned"] is True  # [+0.199, ...]
-    assert analyse(default, slow, None)["learned"] is False
+    assert analyse(default, records(base, near), None).learned is False  # gains +0.148 [+0.099, +0.197]
+    assert analyse(default, records([0.5, 0.55, 0.6, 0.52, 0.57], near), None).learned is True  # [+0.199, ...]
+    assert analyse(default, slow, None).learned is False
     with pytest.raises(StudyError, match="sensitivity.arm 'x' must be one of the controls"):
         write_spec(tmp_path, **{**gated_args(), "sensitivity": {"arm": "x"}})
 
@@ -216,12 +238,12 @@ def test_a_run_that_stopped_early_is_counted_by_the_declared_rule_never_dropped(
     recs = records(base, treat)
     recs[-1] = rec("t", 4, 0.9, finished=False, exit_code=3)  # diverged after logging 0.9 (its last evaluation)
     last = analyse(write_spec(tmp_path), recs, None)
-    assert last["values"]["t"][4] == 0.9 and last["diffs"]["t"].n == 5  # counted as it stood, not dropped
-    assert last["unfinished"] == ["t seed 4: stopped at step 2 (exit 3)"]
+    assert last.values["t"][4] == 0.9 and last.diffs["t"].n == 5  # counted as it stood, not dropped
+    assert list(last.unfinished) == ["t seed 4: stopped at step 2 (exit 3)"]
     worst = analyse(write_spec(tmp_path, unfinished="worst"), recs, None)
-    assert worst["values"]["t"][4] == 0.5 and worst["diffs"]["t"].diff == pytest.approx((0.1 * 4 + 0.5 - 0.47) / 5)
+    assert worst.values["t"][4] == 0.5 and worst.diffs["t"].diff == pytest.approx((0.1 * 4 + 0.5 - 0.47) / 5)
     recs.append(rec("b", 5, 0.2))  # a seed the treatment never ran: named, not silently intersected away
-    assert analyse(write_spec(tmp_path), recs, None)["unpaired"] == [
+    assert list(analyse(write_spec(tmp_path), recs, None).unpaired) == [
         "t - b: seed 5 has no value in t; its pair is missing"
     ]
     text = report(write_spec(tmp_path, unfinished="worst"), "s", tmp_path, recs, None)
@@ -254,9 +276,9 @@ def test_the_cost_to_reach_a_target_counts_runs_that_never_reach_it_at_their_end
     )
     recs = records([0.5, 0.4, 0.55], [0.6, 0.7, 0.45])  # b reaches 0.5 at step 1, never, step 1; t: 1, 1, never
     r = analyse(spec, recs, None)
-    assert r["values"] == {"b": {0: 1.0, 1: 2.0, 2: 1.0}, "t": {0: 1.0, 1: 1.0, 2: 2.0}}  # the end: step 2, censored
-    run = r["arms"]["b"][1]
-    assert not reached(run, "eval/accuracy", "reach:0.5") and reached(r["arms"]["b"][0], "eval/accuracy", "reach:0.5")
+    assert r.values == {"b": {0: 1.0, 1: 2.0, 2: 1.0}, "t": {0: 1.0, 1: 1.0, 2: 2.0}}  # the end: step 2, censored
+    run = r.arms["b"][1]
+    assert not reached(run, "eval/accuracy", "reach:0.5") and reached(r.arms["b"][0], "eval/accuracy", "reach:0.5")
     assert aggregate_name("reach:0.5:tokens") == "generated tokens to reach 0.5"
 
 
@@ -275,18 +297,23 @@ def test_a_start_sampled_once_for_every_seed_gives_no_verdict(tmp_path):
     spec = write_spec(tmp_path, arms={"t": ["algo=grpo"]}, baseline="start", primary=primary, secondary=[])
     once = [sampled_rec(s, v, 0.60, False) for s, v in enumerate([0.70, 0.72, 0.69, 0.71])]
     r = analyse(spec, once, None)
-    word, why = r["verdicts"]["t"]
+    word, why = words(r)
     assert word == "not tested" and why.startswith("the starting policy was measured once")
-    assert r["start_measured"] is False and "the start is 0.6 at each of 4 seeds: one measurement" in r["start"][0]
+    assert (
+        passed(r.gates["start"]) is False
+        and "the start is 0.6 at each of 4 seeds: one measurement" in r.gates["start"].lines[0]
+    )
     assert "### Starting policy" in report(spec, "s", tmp_path, once, None)
     draws = [(0.70, 0.61), (0.72, 0.58), (0.69, 0.62), (0.71, 0.6)]  # (final, start) at each seed
     own = [sampled_rec(s, v, u, True) for s, (v, u) in enumerate(draws)]
     r = analyse(spec, own, None)
-    assert r["start_measured"] is True and r["verdicts"]["t"][0] == "reproduced (not gated)"
+    assert passed(r.gates["start"]) is True and r.verdicts["t"].text == "reproduced (not gated)"
     own_starts = [sampled_rec(s, v, u, False) for s, (v, u) in enumerate(draws)]  # a warm start per seed
-    assert analyse(spec, own_starts, None)["start_measured"] is True
+    assert passed(analyse(spec, own_starts, None).gates["start"]) is True
     greedy = write_spec(tmp_path, arms={"t": ["algo=grpo"]}, baseline="start")  # eval/accuracy: the same model
-    assert analyse(greedy, [rec("t", s, v) for s, v in enumerate([0.4, 0.42, 0.38])], None)["start_measured"] is None
+    assert (
+        passed(analyse(greedy, [rec("t", s, v) for s, v in enumerate([0.4, 0.42, 0.38])], None).gates["start"]) is None
+    )
 
 
 def test_a_study_against_the_starting_policy_pairs_each_run_with_its_own_step_zero(tmp_path):
@@ -303,13 +330,17 @@ def test_a_study_against_the_starting_policy_pairs_each_run_with_its_own_step_ze
     )
     recs = [rec("t", s, v) for s, v in enumerate([0.40, 0.42, 0.38, 0.41])]
     r = analyse(spec, recs, None)
-    assert r["values"]["start"] == {s: 0.3 for s in range(4)} and r["treatments"] == ["t"]
-    d = r["diffs"]["t"]
+    assert r.values["start"] == {s: 0.3 for s in range(4)} and r.treatments == ("t",)
+    d = r.diffs["t"]
     assert d.n == 4 and d.diff == pytest.approx(0.1025) and d.sd == pytest.approx(0.017078, rel=1e-4)
     assert d.p == pytest.approx(2 * stats_t_sf(0.1025 / (0.017078 / 2), 3), rel=1e-3)
-    assert r["verdicts"]["t"][0] == "reproduced (not gated)" and r["learned"] and r["held"]  # no positive control
-    assert r["learning"][0].startswith("t (arm): final minus step 0 eval/accuracy = +0.103 [+0.075, +0.130]")
-    assert "t's step-0 value eval/accuracy = 0.3 over 4 runs" in r["premises"][0]
+    assert (
+        r.verdicts["t"].text == "reproduced (not gated)" and r.learned and passed(r.gates["premises"])
+    )  # no positive control
+    assert (
+        r.gates["learning"].lines[0].startswith("t (arm): final minus step 0 eval/accuracy = +0.103 [+0.075, +0.130]")
+    )
+    assert "t's step-0 value eval/accuracy = 0.3 over 4 runs" in r.gates["premises"].lines[0]
     check_logged(spec, recs)  # the premise's metric is looked for in the first arm's runs (start has none)
     assert plan(spec, recs)["arms"]["t"]["pilot_pairs"] == 2  # the pilot's seeds (2), paired with their start
     assert "baseline `start` (each seed's starting policy" in report(spec, "s", tmp_path, recs, None)
@@ -335,12 +366,14 @@ def test_a_baseline_that_does_not_learn_gives_no_verdict_and_controls_stand_besi
     learns = records([0.4, 0.45, 0.5, 0.42], [0.5, 0.56, 0.6, 0.53])  # gains 0.10, 0.15, 0.20, 0.12; t: +0.10, +0.11
     learns += [rec("c", s, v) for s, v in enumerate([0.3, 0.28, 0.31, 0.3])]  # the control: gains 0, -0.02, +0.01, 0
     r = analyse(spec, learns, None)
-    assert r["learned"] and r["verdicts"]["t"][0] == "reproduced (not gated)"  # gains +0.143 [+0.073, +0.212]
-    assert r["learning"][0].startswith("b (baseline): mean of last 2 minus step 0 eval/accuracy = +0.143 [")
-    assert r["learning"][1].startswith(
-        "c (control): mean of last 2 minus step 0 eval/accuracy = -0.002 ± 0.020 over 4 runs"
+    assert r.learned and r.verdicts["t"].text == "reproduced (not gated)"  # gains +0.143 [+0.073, +0.212]
+    assert r.gates["learning"].lines[0].startswith("b (baseline): mean of last 2 minus step 0 eval/accuracy = +0.143 [")
+    assert (
+        r.gates["learning"]
+        .lines[1]
+        .startswith("c (control): mean of last 2 minus step 0 eval/accuracy = -0.002 ± 0.020 over 4 runs")
     )
-    assert "b - c: +0.145 [" in r["learning"][1]  # per seed 0.10, 0.17, 0.19, 0.12
+    assert "b - c: +0.145 [" in r.gates["learning"].lines[1]  # per seed 0.10, 0.17, 0.19, 0.12
     text = report(spec, "s", tmp_path, learns, None)
     assert "### Learning check" in text and "| c | 4 |" in text and "- Controls, beside the baseline" in text
     with pytest.raises(StudyError, match="declare `learning` too"):
@@ -354,13 +387,13 @@ def test_the_analysis_pairs_by_seed_and_corrects_secondary_lines(tmp_path):
     recs = records([0.3, 0.4, 0.5, 0.35], [0.40, 0.52, 0.61, 0.44])  # differences 0.10, 0.12, 0.11, 0.09: mean 0.105
     recs.append(rec("b", 5, 0.2))  # no partner: unpaired, not in the primary test, and named
     r = analyse(spec, recs, None)
-    d = r["diffs"]["t"]
+    d = r.diffs["t"]
     assert (
         d.n == 4
         and d.diff == pytest.approx(0.105)
-        and r["unpaired"] == ["t - b: seed 5 has no value in t; its pair is missing"]
+        and list(r.unpaired) == ["t - b: seed 5 has no value in t; its pair is missing"]
     )
-    line = r["secondary"][0]
+    line = r.secondary[0]
     assert line.label == "mean of last 2 train/len: t - b" and line.diff.zero_variance  # every length 10 in both arms
 
 
@@ -651,12 +684,15 @@ def test_a_carry_over_that_was_not_tested_labels_the_difference_it_shows():
     """The replication cell of a gate that failed shows the primary difference, named as such, not
     beside the gate's words where it read as the gate's number (a token difference as a gain)."""
     studies = script(REPO / "experiments" / "studies.py")
-    gate = "not tested: the baseline did not learn by the learning margin"
-    cell = studies.replicated("equivalent", gate, "b - a: +0.415 [-0.418, +1.248] (n = 8)", {})
-    assert cell == f"{gate}; its primary difference b - a: +0.415 [-0.418, +1.248] (n = 8)"
-    assert (
-        studies.short("+1.000 in every one of 3 pairs (no spread: p = 0, the t-test's limit, n = 3)").count("n =") == 1
-    )
+    gate = "the baseline did not learn by the learning margin"
+    mine = studies.Result(Verdict("equivalent", "inside the margin", "equivalent"), "equivalent", "b - a: +0.5")
+    not_tested = Verdict("not tested", f"{gate}, so the testbed cannot show the claim", gate)
+    again = studies.Result(not_tested, f"not tested: {gate}", "b - a: +0.415 [-0.418, +1.248] (n = 8)")
+    cell = studies.replicated(mine, again)
+    assert cell == f"not tested: {gate}; its primary difference b - a: +0.415 [-0.418, +1.248] (n = 8)"
+    limit = stats.paired([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
+    assert limit.brief() == "+1.000 in every one of 3 pairs (no spread: p = 0, the t-test's limit, n = 3)"
+    assert stats.paired([0.3, 0.4, 0.5], [0.4, 0.52, 0.59]).brief() == "+0.103 [+0.065, +0.141] (n = 3)"
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rlkit import atomic
 from rlkit.analysis import stats
+from rlkit.analysis.arms import pair, per_run, runs_by_arm
 from rlkit.analysis.study import (
     Stopped,
     StudySpec,
@@ -24,7 +25,6 @@ from rlkit.analysis.study import (
     treatments,
     with_defaults,
 )
-from rlkit.analysis.verdict import pair, per_run, runs_by_arm
 from rlkit.exits import EXIT_BAD_INPUT
 
 

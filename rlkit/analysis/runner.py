@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from rlkit import atomic
+from rlkit.analysis.arms import planned_runs
 from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
 from rlkit.analysis.study import Stopped, StudySpec, overrides
-from rlkit.analysis.verdict import planned_runs
 from rlkit.exits import EXIT_DECISION, EXIT_PREEMPTED
 from rlkit.signals import STOPS
 

@@ -4,6 +4,7 @@ changed without a warning that says what was used instead."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -201,6 +202,7 @@ WITHDRAWN = {
 }
 
 
+@functools.lru_cache(maxsize=None)  # each spelling parsed once
 def parse_aggregate(spec: str) -> tuple[str, int | str | tuple]:
     """'final', 'last:K' (mean of the last K logged values), 'auc' (mean height of the curve over
     steps), 'auc:tokens:B' (mean height over the first B generated tokens, the same token range

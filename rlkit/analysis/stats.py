@@ -57,6 +57,13 @@ class Difference:
             max(sps.t.sf((self.diff + margin) / self.se, self.df), sps.t.cdf((self.diff - margin) / self.se, self.df))
         )
 
+    def brief(self) -> str:
+        """The difference and its interval alone, for tables: `+0.100 [-0.148, +0.348] (n = 3)`."""
+        if math.isnan(self.diff) or self.n < 2 or self.zero_variance:
+            return self.describe()
+        lo, hi = self.interval
+        return f"{self.diff:+.3f} [{lo:+.3f}, {hi:+.3f}] (n = {self.n})"
+
     def describe(self) -> str:
         """The numbers in words: `+0.100 [-0.148, +0.348], d_z = +1.00 [...], p = 0.3 (paired t, n = 3)`."""
         if math.isnan(self.diff):

@@ -11,10 +11,10 @@ less uniform's final accuracy."""
 from pathlib import Path
 
 from rlkit.analysis import stats
+from rlkit.analysis.arms import runs_by_arm
 from rlkit.analysis.records import read_records
 from rlkit.analysis.runs import aggregate, x_of
 from rlkit.analysis.study import load_spec
-from rlkit.analysis.verdict import runs_by_arm
 
 HERE = Path(__file__).resolve().parents[1]
 METRIC = "eval/accuracy"

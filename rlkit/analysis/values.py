@@ -1,0 +1,123 @@
+"""A study's analysis as values: each gate (its state, the reason it stops a verdict, its report
+lines), each verdict (its word, whether it was gated and why) and the whole `Analysis` of a study.
+The decision code (`rlkit.analysis.decision`) returns them; the report (`rlkit.analysis.verdict`)
+and the studies table only format them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from rlkit.analysis.stats import Difference, Robust, Row
+
+
+class State(Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    UNDECLARED = "not declared"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A declared bound on a mean: at least `at_least`, or at most `at_most` (exactly one is set)."""
+
+    at_least: float | None = None
+    at_most: float | None = None
+
+    @classmethod
+    def of(cls, declared) -> Bound:
+        """The bound of a declared check (an engagement check or a premise)."""
+        return cls(declared.at_least, declared.at_most)
+
+    def holds(self, value: float) -> bool:
+        """Whether `value` lies within the bound (a missing value, nan, never does)."""
+        if math.isnan(value):
+            return False
+        return value >= self.at_least if self.at_least is not None else value <= self.at_most
+
+    def __str__(self) -> str:
+        return f">= {self.at_least:g}" if self.at_least is not None else f"<= {self.at_most:g}"
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One gate of a verdict: passed, failed or not declared; `reason` is why no verdict is given
+    when it fails (its first clause, `short`, for tables); `lines` report what it measured."""
+
+    state: State
+    reason: str = ""
+    lines: tuple[str, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        return self.state is State.FAILED
+
+    @property
+    def declared(self) -> bool:
+        return self.state is not State.UNDECLARED
+
+    @property
+    def short(self) -> str:
+        return self.reason.split(",")[0].split(";")[0].split(" (")[0]
+
+
+def gate(passed: bool | None, reason: str, lines: list[str] | tuple = ()) -> Gate:
+    """A gate from its check's outcome: True passed, False failed, None not declared."""
+    state = State.UNDECLARED if passed is None else State.PASSED if passed else State.FAILED
+    return Gate(state, reason, tuple(lines))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One treatment's verdict: `word` (reproduced, negligible, equivalent, refuted, inconclusive
+    or not tested), its `reason`, the gates it went without (`ungated`: none declared), and the
+    seed cap when the study ran to it."""
+
+    word: str
+    reason: str
+    short: str = ""  # the reason's first clause, for tables
+    ungated: tuple[str, ...] = ()
+    cap: int | None = None
+
+    @property
+    def text(self) -> str:
+        """The verdict as the README heads it: `reproduced (not gated)`."""
+        return self.word + (" (not gated)" if self.ungated else "")
+
+    @property
+    def why(self) -> str:
+        """The reason in full: the gates it went without and, when inconclusive, the seed cap."""
+        why = self.reason
+        if self.ungated:
+            why += f"; not gated: no {' and no '.join(self.ungated)} declared"
+        if self.cap is not None and self.word == "inconclusive":
+            why += f"; at the seed cap ({self.cap})"
+        return why
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Every number of a study's report, computed from its records alone."""
+
+    treatments: tuple[str, ...]
+    values: dict  # {arm: {seed: the primary's per-run aggregate}}
+    diffs: dict[str, Difference]  # treatment -> its paired difference from the baseline
+    p_adjusted: dict[str, float]  # Holm across treatments, significance against 0
+    p_tost_adjusted: dict[str, float]  # Holm across treatments, TOST at the smallest effect
+    robust: dict[str, Robust | None]  # treatment -> IQM and P(improvement), from BOOTSTRAP_FROM pairs
+    verdicts: dict[str, Verdict]
+    gates: dict[str, Gate]  # learning, sensitivity, premises, start: what every verdict passes
+    engagement: dict[str, Gate]  # treatment -> its engagement check
+    engagement_lines: tuple[str, ...]
+    secondary: tuple[Row, ...]
+    secondary_holm: tuple[float, ...]
+    unfinished: tuple[str, ...]  # a line for each run that stopped before its last step
+    unpaired: tuple[str, ...]  # a line for each seed without its pair
+    arms: dict = field(repr=False)  # {arm: {seed: RunHistory}}
+
+    @property
+    def learned(self) -> bool | None:
+        """Whether the baseline learned (None: no learning check declared)."""
+        g = self.gates["learning"]
+        return None if not g.declared else not g.failed
