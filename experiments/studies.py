@@ -5,10 +5,12 @@ to the tiny testbed (`<name>_tiny`) beside it, and for a study whose planned run
 the `**Status.**` line of its README.
 
     python experiments/studies.py           # prints the table
-    python experiments/studies.py --write   # and writes it into the README, between its markers
+    python experiments/studies.py --write   # every study's README from its records, then the table into the README
 """
 
+import contextlib
 import dataclasses
+import io
 import re
 import sys
 from pathlib import Path
@@ -161,7 +163,20 @@ def readme_table() -> str:
     return README.read_text().split(BEGIN)[1].split(END)[0].strip()
 
 
+def write_study_readmes() -> None:
+    """Every study's README section regenerated from its records (`rlkit-study <name> --analyse-only`)."""
+    from rlkit.analysis.study_cli import main as study_main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        for results in sorted(HERE.glob("*/results/runs")):
+            name = results.parent.parent.name
+            if study_main([str(HERE / name), "--analyse-only"]) != 0:
+                raise SystemExit(f"studies.py: {name} could not be analysed (its message is above)")
+
+
 if __name__ == "__main__":
+    if "--write" in sys.argv:
+        write_study_readmes()
     print(table())
     if "--write" in sys.argv:
         before, rest = README.read_text().split(BEGIN)
