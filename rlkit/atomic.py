@@ -147,6 +147,15 @@ def check_writable(path: str | Path, key: str) -> None:
         raise ConfigError(f"{key}: directory {path} is not writable ({e.strerror or e})") from e
 
 
+def check_file_target(path: str | Path, key: str) -> None:
+    """Before any work: `path` can become a file (it is not a directory, and its folder is
+    writable), or fail naming the key."""
+    path = Path(os.path.expanduser(str(path)))
+    if path.is_dir():
+        raise ConfigError(f"{key}: {path} is a directory; give the path of a file to write")
+    check_writable(path.parent, key)
+
+
 @contextmanager
 def file_lock(path: Path, wait: bool = True):
     """An exclusive flock on the file `path` for the block; it dies with its process, however the

@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.samples < 1 or a.prompts < 0:
             raise ConfigError(f"--samples must be >= 1 and --prompts >= 0, got {a.samples}, {a.prompts}")
+        if a.out:
+            atomic.check_file_target(a.out, "--out")  # before the calibration spends its minutes
         with initialize_config_module(config_module="rlkit.conf", version_base=None):
             cfg = compose("config", a.overrides)
         levels = calibrate(cfg, a.split, a.samples, a.prompts)

@@ -163,3 +163,17 @@ def test_the_arithmetic_testbed_s_lenient_score_finds_the_sum_in_worked_steps():
     row = {"answer": "22", "prompt": "3+14+5="}
     assert task.present(row, "3+14=17;17+5=22;22") and task.present(row, "3+14=17;17+5=22;21")
     assert not task.present(row, "3+14=17;17+5=122")
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_calibration_runs(tmp_path, capsys):
+    """`--out` naming a directory (or a file in a folder that cannot be made) is refused at once,
+    exit 2, before any model is built: it once failed after the whole calibration had run."""
+    import time
+
+    t0 = time.time()
+    assert calibrate([*FAST, "--out", str(tmp_path)]) == 2
+    assert f"--out: {tmp_path} is a directory; give the path of a file to write" in capsys.readouterr().err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert calibrate([*FAST, "--out", str(blocker / "cal.json")]) == 2
+    assert "--out: directory" in capsys.readouterr().err and time.time() - t0 < 20  # no model was built

@@ -320,3 +320,24 @@ def test_compare_reports_a_metric_one_arm_never_logged_as_missing_and_bad_argume
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--baseline 'nope' is not a group; groups: kv_cache, off_policy" in err and "has no key 'no_such_key'" in err
+
+
+def test_compare_refuses_arguments_out_of_range_before_reading_runs(tmp_path, capsys):
+    """--alpha outside (0, 1) once hung (the effect size's bracket loop never ended) or printed
+    [+inf, -inf]; a negative margin, a nan threshold and a file as --out are refused alike, exit 2."""
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        ("--alpha", "-1"): "--alpha must be in (0, 1), got -1.0",
+        ("--alpha", "2"): "--alpha must be in (0, 1), got 2.0",
+        ("--alpha", "0"): "--alpha must be in (0, 1), got 0.0",
+        ("--margin", "eval/accuracy=-1"): "--margin eval/accuracy=-1: a margin must be a finite number > 0",
+        ("--threshold", "nan"): "--threshold must be a finite number, got nan",
+        ("--aggregate", "reach:nan:tokens"): "--aggregate: aggregate 'reach:nan:tokens'",
+        ("--out", str(tmp_path / "a_file")): "is a file; give a directory for compare.md and the plots",
+    }
+    for args, message in cases.items():
+        with pytest.raises(SystemExit) as stop:
+            compare_main([str(tmp_path), *args])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="alpha must be in"):
+        effect_size(1.0, 1.0, 3, True, alpha=-1.0)  # a direct call: an error, not a loop without end

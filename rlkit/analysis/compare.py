@@ -334,11 +334,35 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
 
 
+def check_arguments(a: argparse.Namespace) -> None:
+    """Every numeric argument in its range and the output folder usable, before any run is read."""
+    problems = []
+    if not 0 < a.alpha < 1:
+        problems.append(f"--alpha must be in (0, 1), got {a.alpha}")
+    if a.threshold is not None and not math.isfinite(a.threshold):
+        problems.append(f"--threshold must be a finite number, got {a.threshold}")
+    if a.smooth < 1:
+        problems.append(f"--smooth must be >= 1, got {a.smooth}")
+    for metric, margin in parse_margins(a.margin, a.metric).items():
+        if not (math.isfinite(margin) and margin > 0):
+            problems.append(f"--margin {metric}={margin:g}: a margin must be a finite number > 0")
+    out = output_dir(a)
+    if out.exists() and not out.is_dir():
+        problems.append(f"--out {out} is a file; give a directory for compare.md and the plots")
+    if problems:
+        raise BadArgument("; ".join(problems))
+
+
+def output_dir(a: argparse.Namespace) -> Path:
+    return a.out or (a.paths[0] / "compare" if a.paths else Path("compare"))
+
+
 def write(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """The table, the differences and the plots of `main`'s arguments, into compare.md."""
+    check_arguments(a)
     runs = selected_runs(p, a)
     groups = group_runs(runs, a.by)
-    out = a.out or (a.paths[0] / "compare" if a.paths else Path("compare"))
+    out = output_dir(a)
     out.mkdir(parents=True, exist_ok=True)
     md = table(groups, a.by, a.metric, a.threshold, set(a.lower), a.aggregate)
     if a.baseline:

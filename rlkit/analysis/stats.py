@@ -195,10 +195,14 @@ def effect_size(diff: float, sd: float, n: int, paired: bool, alpha: float = 0.0
 
     def nc_at(q: float) -> float:  # the noncentrality whose distribution puts t at quantile q
         width = 10 + abs(t)
-        while cdf(t + width) > q or cdf(t - width) < q:  # cdf falls in nc; few pairs: heavy tails, a wide bracket
+        for _ in range(60):  # cdf falls in nc; few pairs: heavy tails, a wide bracket
+            if cdf(t + width) <= q <= cdf(t - width):
+                return optimize.brentq(lambda nc: cdf(nc) - q, t - width, t + width)
             width *= 2
-        return optimize.brentq(lambda nc: cdf(nc) - q, t - width, t + width)
+        return float("nan")  # no bracket within 2^60 times the start: not a number to print
 
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     return diff / sd, nc_at(1 - alpha / 2) / scale, nc_at(alpha / 2) / scale
 
 
