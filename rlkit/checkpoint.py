@@ -265,6 +265,13 @@ def resume(run: Run) -> None:
     check_progress(state, run.cfg, parts.task.digest, last)
     try:
         load_parts(run, last, state)
+    except pickle.UnpicklingError:  # a pickled weight file (torch refused it unrun): named, without torch's advice
+        pickled = sorted(str(p) for p in last.rglob("*") if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        raise ConfigError(
+            f"the checkpoint {last} holds a pickled weight file with objects other than tensors "
+            f"({', '.join(pickled) or 'a pickle'}), which rlkit never writes (it writes safetensors); refusing to "
+            "load it, since loading it could run code. Do not load it by other means unless you wrote it yourself"
+        ) from None
     except (KeyError, RuntimeError, ValueError, TypeError) as e:  # a checkpoint of another shape, from another version
         raise ConfigError(
             f"the checkpoint {last} does not fit this run ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "

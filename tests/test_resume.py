@@ -147,6 +147,24 @@ def test_a_trainer_state_that_would_run_code_is_refused_and_runs_nothing(tmp_pat
     assert "weights_only" not in str(e.value) and "succeed" not in str(e.value)  # no advice to load it unsafely
 
 
+def test_a_pickled_weight_file_in_a_checkpoint_is_refused_by_name_and_runs_nothing(tmp_path, warm_cache):
+    """policy/pytorch_model.bin in place of the safetensors, its pickle running a command: refused
+    with exit-2's ConfigError naming the file, without torch's advice to load it unsafely."""
+    run(make_cfg(["steps=2"], cache_dir=warm_cache), str(tmp_path / "run"))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    weights = ckpt / "policy" / "model.safetensors"
+    from safetensors.torch import load_file
+
+    marker = tmp_path / "pwned"
+    torch.save({**load_file(str(weights)), "payload": Payload(marker)}, ckpt / "policy" / "pytorch_model.bin")
+    weights.unlink()
+    atomic.write_manifest(ckpt)  # the attacker recomputes the checksums too
+    with pytest.raises(ConfigError, match=r"holds a pickled weight file .*pytorch_model.bin.*refusing") as e:
+        run(make_cfg(["steps=3"], cache_dir=warm_cache), str(tmp_path / "run"))
+    assert not marker.exists()
+    assert "weights_only" not in str(e.value) and "succeed" not in str(e.value)
+
+
 def test_a_checkpoint_with_numpy_rng_state_from_older_versions_still_resumes(tmp_path, warm_cache):
     run(make_cfg(["steps=2"], cache_dir=warm_cache), str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
