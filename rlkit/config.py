@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+import hydra_plugins.rlkit_sweeper  # noqa: F401  (registers hydra/sweeper=rlkit, which conf/config.yaml chooses)
 from rlkit.refusals import ConfigError, check_class, require_all
 from rlkit.tasks.base import TaskError
 

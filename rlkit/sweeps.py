@@ -44,16 +44,29 @@ def failures(sweep_dir: str | Path, since: float = 0.0) -> list[tuple[Path, dict
     return sorted(out, key=lambda item: (item[1].get("job") is None, item[1].get("job") or 0))
 
 
+def register_sweeper() -> None:
+    """Make rlkit's sweeper (`hydra/sweeper=rlkit`) known to Hydra's plugin registry even where
+    Hydra's scan of the `hydra_plugins` namespace cannot see it (an editable install)."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.rlkit_sweeper import RlkitSweeper
+
+    Plugins.instance().class_name_to_class.setdefault(
+        f"{RlkitSweeper.__module__}.{RlkitSweeper.__name__}", RlkitSweeper
+    )
+
+
 def jobs(sweep_dir: str | Path) -> list[list[str]] | None:
     """Each job's overrides, in job-number order, from the sweep's `multirun.yaml` as Hydra's basic
-    sweeper expands it; None when there is no such file or another sweeper ran it."""
+    sweeper (or rlkit's, which expands alike) expands it; None when there is no such file or another
+    sweeper ran it."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     path = Path(sweep_dir, "multirun.yaml")
     try:
         cfg = OmegaConf.load(path)
-        if "BasicSweeper" not in str(OmegaConf.select(cfg, "hydra.sweeper._target_")):
+        if not str(OmegaConf.select(cfg, "hydra.sweeper._target_")).endswith(("BasicSweeper", "RlkitSweeper")):
             return None
         params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
         args = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(cfg, "hydra.overrides.task") or [])

@@ -189,6 +189,7 @@ def train() -> None:
             os.environ.setdefault(key, value)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    sweeps.register_sweeper()
     launched = parallel.launch_time()
     if launched is not None:  # every rank resolves ${now:...} (the default run directory) to the same folder
         OmegaConf.register_new_resolver("now", launched.strftime, use_cache=True, replace=True)

@@ -72,6 +72,26 @@ def test_a_failed_job_of_a_sweep_on_the_basic_launcher_keeps_its_folder_and_the_
     assert (folders[1] / "summary.json").exists() and not (folders[1] / "failed.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("jobs", [1, 2])  # the basic launcher, and joblib two at a time
+def test_a_job_that_does_not_compose_fails_alone_and_the_sweep_runs_the_others(tmp_path, warm_cache, jobs):
+    """An unknown option and a value of the wrong type once stopped the whole multirun before any
+    job ran (Hydra's basic sweeper composes every job first); now each fails alone, recorded in its
+    own folder as bad input, and the jobs between them run with their own numbers."""
+    out = sweep(tmp_path / "sweep", warm_cache, "advantage=nope,grpo,rloo", "steps=1,abc", jobs=jobs)
+    assert out.returncode == EXIT_BAD_INPUT, out.stderr[-3000:]
+    assert "rlkit: 4 of 6 jobs failed, the others ran: job 0 in" in out.stderr
+    records = {r["job"]: r for _, r in sweeps.failures(tmp_path / "sweep")}
+    # Hydra's order: steps=1 with nope, grpo, rloo (jobs 0-2), then steps=abc with each (jobs 3-5)
+    assert sorted(records) == [0, 3, 4, 5] and {r["exit_code"] for r in records.values()} == {EXIT_BAD_INPUT}
+    assert "Could not find 'advantage/nope'" in records[0]["error"] and "abc" in records[4]["error"]
+    folders = job_folders(tmp_path / "sweep")
+    for job, advantage in ((1, "grpo"), (2, "rloo")):  # ran, under their own sweep numbers
+        assert json.loads((folders[job] / "run.json").read_text())["choices"]["advantage"] == advantage
+        assert (folders[job] / "summary.json").exists()
+    assert "advantage=rloo" in sweeps.jobs(tmp_path / "sweep")[2]
+
+
 @pytest.mark.parametrize(
     "launcher, target",
     [
