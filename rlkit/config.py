@@ -3,6 +3,7 @@ model is built. Each field is documented once, here."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import math
@@ -258,11 +259,30 @@ def check_targets(cfg: DictConfig) -> None:
         )
 
 
+def unknown_keys(cfg: DictConfig) -> list[str]:
+    """Keys the schema does not have (added with `+`, which Hydra lets through): at the top level
+    and in the typed sections (rollout, optim, ...). A component's own options are checked against
+    its class when it is built."""
+    schema = {f.name: f for f in dataclasses.fields(RLKitConfig)}
+    out = [k for k in cfg if k not in schema and k != "hydra"]
+    for name, f in schema.items():
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            known = {g.name for g in dataclasses.fields(f.default_factory)}
+            out += [f"{name}.{k}" for k in cfg[name] if k not in known]
+    return out
+
+
 def check_values(cfg: DictConfig) -> None:
     """The config's own numbers and choices, before any component is built: no class named outside
-    a component's node, every number of every group finite, then each key's range. Every value that
-    fails is named in one refusal."""
+    a component's node, no unknown key, every number of every group finite, then each key's
+    range. Every value that fails is named in one refusal."""
     check_targets(cfg)
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(unknown)}: not in rlkit's config (`rlkit-train --help` lists the groups; "
+            "each key is documented in rlkit/config.py); a misspelled key would be ignored, so it is refused"
+        )
     finite = [(math.isfinite(v), f"{key} must be a finite number, got {v}") for key, v in numbers(resolved(cfg))]
     ranges = range_checks(cfg) + run_checks(cfg)
     require_all(ranges if all(ok for ok, _ in finite) else finite)  # a non-finite number's range would repeat it

@@ -5,6 +5,7 @@ leaves the run directory as it was. Each test fails on a build that lacks the ch
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -365,3 +366,12 @@ def test_a_target_below_a_component_is_refused_before_anything_is_built(tmp_path
     assert "_target_: a _target_ names a class only at the top of a component" in done.stderr
     assert not (tmp_path / "pwned.txt").exists()
     assert not (tmp_path / "run").exists()  # the refused run undid its claim
+
+
+@pytest.mark.parametrize("added", ["+optim.lrr=0.1", "+bogus=1", "+eval.sample=4"])
+def test_a_key_added_with_plus_that_rlkit_does_not_have_is_refused(added):
+    """Hydra lets `+` add any key; one rlkit does not read (a misspelling) was once kept silently in
+    run.json and ignored."""
+    key = added[1:].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"unknown key\(s\) {re.escape(key)}: not in rlkit's config"):
+        validate(make_cfg([added]))
