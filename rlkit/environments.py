@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import torch
 
@@ -15,7 +14,20 @@ from rlkit.refusals import require
 from rlkit.tools.calculator import calculate
 from rlkit.types import Episodes
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def last_tool_call(text: str) -> str | None:
+    """The body of the last complete `<tool_call>...</tool_call>` in `text` (each call from an
+    opening tag to the first closing tag after it, as a non-greedy match pairs them), in one pass:
+    a regex scan restarted at every unclosed opening tag took time quadratic in their number."""
+    body, pos = None, 0
+    while (start := text.find(OPEN, pos)) != -1:
+        end = text.find(CLOSE, start + len(OPEN))
+        if end == -1:
+            break  # no call closes after this opening, nor after any later one
+        body, pos = text[start + len(OPEN) : end], end + len(CLOSE)
+    return body
 
 
 def episodes(env: Environment, rows: list[dict]) -> Episodes | None:
@@ -100,11 +112,11 @@ class ToolEpisode:
 
     def reply(self, text: str) -> dict | None:
         self.turns += 1
-        call = TOOL_CALL.findall(text)
-        if not call:
+        call = last_tool_call(text)
+        if call is None:
             return None  # the final answer
         self.calls += 1
-        result = run_call(call[-1])
+        result = run_call(call)
         failed = result.startswith("error")
         self.errors += failed
         self.reward += self.error_reward * failed

@@ -1,5 +1,6 @@
 """The calculator tool: exact answers, and an error string (never an exception or a hang) for hostile input."""
 
+import re
 import time
 from fractions import Fraction
 
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlkit.environments import Calculator, tool_metrics, turn_rewards
+from rlkit.environments import Calculator, ToolEpisode, last_tool_call, tool_metrics, turn_rewards
 from rlkit.refusals import ConfigError
 from rlkit.tools.calculator import MAX_CHARS, calculate
 
@@ -154,3 +155,25 @@ def test_tool_metrics_by_hand():
         "accuracy_tool": 1 / 2,  # episodes 0 (right) and 2 (wrong) called it
         "accuracy_no_tool": 1 / 2,
     }
+
+
+TAG_PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "call>", "a", '{"x": 1}', " ", "\n"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(TAG_PIECES, max_size=16).map("".join))
+def test_the_last_tool_call_is_the_last_non_greedy_match(text):
+    """The one-pass scan pairs tags as the regex `<tool_call>(.*?)</tool_call>` (DOTALL) did."""
+    found = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+    assert last_tool_call(text) == (found[-1] if found else None)
+
+
+def test_many_unclosed_tool_call_tags_are_read_in_one_pass():
+    """30,000 opening tags and no closing one: the regex scan restarted at each (about 110 s, time
+    quadratic in their number); the one-pass scan reads them at once and finds no call."""
+    episode = ToolEpisode("tool")
+    assert episode.reply("<tool_call>" * 30_000) is None and episode.calls == 0
+    closed = "<tool_call>" * 30_000 + '{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+    # one call, from the first opening tag to the closing one, as the regex paired them: not JSON
+    assert ToolEpisode("tool").reply(closed)["content"].startswith("error: the tool call is not JSON")
+    assert ToolEpisode("tool").reply("<tool_call>" + closed.removeprefix("<tool_call>" * 30_000))["content"] == "5"
