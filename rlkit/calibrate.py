@@ -26,13 +26,13 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from rlkit import atomic
-from rlkit.components import Engine, Environment
+from rlkit.components import Engine
 from rlkit.config import build, check_values, eval_seed
 from rlkit.evaluate import Sampling, answers, pass_at_k, presence, sampled_answers
 from rlkit.metrics import difficulties
 from rlkit.metrics import mean_or_none as mean
 from rlkit.refusals import ConfigError
-from rlkit.setup import build_task_and_model, check_episodes, seed_everything
+from rlkit.setup import build_task_and_model, check_episodes, checked_environment, seed_everything
 from rlkit.tasks.base import TaskError
 
 
@@ -77,7 +77,7 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     check_values(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    environment = build(cfg, "environment", Environment)
+    environment = checked_environment(cfg)
     check_episodes(cfg, environment)
     task, _, policy, tokenizer, _ = build_task_and_model(cfg, None, torch.device("cpu"))
     seed_everything(cfg.seed)

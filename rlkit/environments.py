@@ -10,7 +10,7 @@ import math
 import torch
 
 from rlkit.components import Environment
-from rlkit.refusals import require
+from rlkit.refusals import ConfigError, require
 from rlkit.tools.calculator import calculate
 from rlkit.types import Episodes
 
@@ -48,6 +48,74 @@ def turn_rewards(each: list) -> torch.Tensor | None:
     """The per-turn reward terms each episode summed (its `reward`, 0 without one) [N]; None when all are 0."""
     terms = torch.tensor([float(getattr(e, "reward", 0.0)) for e in each])  # [N]
     return terms if bool(terms.any()) else None
+
+
+class Checked(Environment):
+    """An environment held to its contract (`rlkit.components.Environment`) where its values enter:
+    `max_turns` an integer >= 1 and `stop_strings` strings, checked when it is built; each reply a
+    chat message (a dict with a string `role` and `content`) or None, and `metrics` a dict of numbers
+    (or None), checked at each call; an exception inside `start`, `reply` or `metrics` reported
+    naming the environment. Every failure is a `ConfigError` (exit 2) naming `environment=<class>`."""
+
+    def __init__(self, env):
+        self.inner, self.name = env, f"environment={type(env).__module__}.{type(env).__qualname__}"
+        turns, stops = env.max_turns, env.stop_strings
+        require(
+            isinstance(turns, int) and not isinstance(turns, bool) and turns >= 1,
+            f"{self.name}: max_turns must be an integer >= 1, got {turns!r}",
+        )
+        require(
+            isinstance(stops, (tuple, list)) and all(isinstance(x, str) and x for x in stops),
+            f"{self.name}: stop_strings must be a tuple of non-empty strings, got {stops!r}",
+        )
+        self.max_turns, self.stop_strings, self.preamble = turns, tuple(stops), env.preamble
+
+    def start(self, row: dict) -> "CheckedEpisode":
+        return CheckedEpisode(self.call("start", self.inner.start, row), self)
+
+    def metrics(self, episodes: list, correct: torch.Tensor) -> dict:
+        out = self.call("metrics", self.inner.metrics, [e.inner for e in episodes], correct)
+        ok = isinstance(out, dict) and all(
+            isinstance(k, str) and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
+            for k, v in out.items()
+        )
+        require(ok, f"{self.name}: metrics must return a dict of names to numbers (or None), got {out!r:.200}")
+        return out
+
+    def call(self, what: str, fn, *args):
+        """`fn(*args)`, an exception in it reported as the environment's, with its type and message."""
+        try:
+            return fn(*args)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"{self.name}: its {what} raised {type(e).__name__}: {e}") from e
+
+
+class CheckedEpisode:
+    """One episode of a `Checked` environment: its replies checked as chat messages, its other
+    attributes the episode's own."""
+
+    def __init__(self, inner, env: Checked):
+        self.inner, self.env = inner, env
+
+    def __getattr__(self, name: str):
+        """The episode's own attributes (its `reward`, its counters), read through."""
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def reply(self, text: str) -> dict | None:
+        message = self.env.call("reply", self.inner.reply, text)
+        ok = message is None or (
+            isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))
+        )
+        require(
+            ok,
+            f"{self.env.name}: reply must return a chat message (a dict with a string role and content) or None "
+            f"to end the episode, got {message!r:.200}",
+        )
+        return message
 
 
 class SingleTurn(Environment):

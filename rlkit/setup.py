@@ -33,6 +33,7 @@ from rlkit.components import (
     Task,
 )
 from rlkit.config import build, check_values, chosen, resolved, target_class
+from rlkit.environments import Checked
 from rlkit.evaluate import held_out
 from rlkit.guards import NonFiniteGuard
 from rlkit.hardware import hardware
@@ -78,12 +79,19 @@ def validate(cfg: DictConfig, world: int = 1, rank: int = 0) -> Validated:
         aggregator=build(cfg, "aggregator", Aggregator),
         loss=build(cfg, "loss", PolicyLoss),
         correction=build(cfg, "correction", Correction),
-        environment=build(cfg, "environment", Environment),
+        environment=checked_environment(cfg),
         reward_fns={name: build(cfg, f"reward.functions.{name}", RewardFunction) for name in cfg.reward.functions},
         parallel=parallel.choose(cfg.parallel, rank, world),
     )
     check_built(cfg, out)
     return out
+
+
+def checked_environment(cfg: DictConfig) -> Checked:
+    """The environment built and held to its contract (`rlkit.environments.Checked`)."""
+    env = build(cfg, "environment", Environment)
+    check(env, Environment, "environment")
+    return Checked(env)
 
 
 def check_episodes(cfg: DictConfig, environment: Environment) -> None:
@@ -132,7 +140,7 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, world: int
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
     model = build(cfg, "model", Model)
     policy, tokenizer = model.build(task.alphabet, init_seed)
-    format_prompts(task, model, tokenizer, build(cfg, "environment", Environment).preamble)
+    format_prompts(task, model, tokenizer, checked_environment(cfg).preamble)
     splits = {"train": task.train, "eval": task.eval}
     check_encodable(tokenizer, splits)
     check_context(tokenizer, policy, splits, cfg.rollout.max_new_tokens, "rollout.max_new_tokens")

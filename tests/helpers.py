@@ -311,3 +311,28 @@ def reprefilled(model, tok, prompt: str, budget: int, env) -> list[int]:
             break
         history, out = history + turn + ids, out + ids
     return out
+
+
+class Breaking(Echo):
+    """The Echo environment breaking its contract one way, named by `mode`: reply_str, content_int,
+    no_content, metrics_list, reply_raises or start_raises; or with a bad `max_turns` (the string "3", 0)."""
+
+    def __init__(self, mode: str = "", max_turns=3):
+        super().__init__(3)
+        self.mode, self.max_turns = mode, max_turns
+
+    def start(self, row: dict):
+        if self.mode == "start_raises":
+            raise KeyError("difficulty")
+        episode = super().start(row)
+        replies = {
+            "reply_str": lambda text: "9=",
+            "content_int": lambda text: {"role": "tool", "content": 9},
+            "no_content": lambda text: {"role": "tool"},
+            "reply_raises": lambda text: 1 / 0,
+        }
+        episode.reply = replies.get(self.mode, episode.reply)
+        return episode
+
+    def metrics(self, episodes: list, correct) -> dict:
+        return [1.0] if self.mode == "metrics_list" else super().metrics(episodes, correct)

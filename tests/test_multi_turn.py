@@ -5,6 +5,7 @@ estimator and aggregator. The environment is `helpers.Echo`, a plugin for the ch
 and SmolLM2's chat template in test_smollm2.py."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rlkit.logprobs import token_logprobs
 from rlkit.loop import make_rollout
 from rlkit.losses import PPOClip
 from rlkit.models import TinyQwen2
+from rlkit.refusals import ConfigError
 from rlkit.session import run
 from rlkit.setup import setup
 from rlkit.tasks.arithmetic import ALPHABET
@@ -203,3 +205,27 @@ def test_the_environments_per_turn_terms_are_added_to_each_episodes_reward(warm_
     assert replies.sum() > 0
     assert torch.allclose(termed.rewards - plain.rewards, 0.5 * replies)
     assert torch.equal(termed.correct, plain.correct)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["++environment.mode=reply_str"], "reply must return a chat message (a dict with a string role and content)"),
+        (["++environment.mode=content_int"], "reply must return a chat message"),
+        (["++environment.mode=no_content"], "reply must return a chat message"),
+        (["++environment.mode=metrics_list"], "metrics must return a dict of names to numbers (or None), got [1.0]"),
+        (["++environment.mode=reply_raises"], "its reply raised ZeroDivisionError: division by zero"),
+        (["++environment.mode=start_raises"], "its start raised KeyError: 'difficulty'"),
+        (["++environment.max_turns='3'"], "max_turns must be an integer >= 1, got '3'"),
+        (["++environment.max_turns=0"], "max_turns must be an integer >= 1, got 0"),
+    ],
+)
+def test_an_environment_plugin_that_breaks_its_contract_is_named_with_what_it_broke(
+    fast_cfg, tmp_path, overrides, message
+):
+    """Each of these once ended in a raw traceback from inside the engine (or, for max_turns 0, ran
+    silently); each is now one ConfigError (exit 2) naming the environment's class and the breach."""
+    cfg = fast_cfg("++environment._target_=helpers.Breaking", "rollout.max_new_tokens=24", "steps=1", *overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        run(cfg, str(tmp_path))
+    assert str(e.value).startswith("environment=helpers.Breaking: ")
