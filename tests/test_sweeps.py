@@ -244,6 +244,18 @@ def test_compare_names_unreadable_run_records_and_bad_metrics_records_and_goes_o
     assert "| grpo | 1 | 0.500 |" in (tmp_path / "compare" / "compare.md").read_text()
 
 
+def test_a_corrupt_summary_is_named_as_itself_and_its_run_is_kept(tmp_path, capsys):
+    """summary.json and run.json were read in one `try`, so a torn summary was reported as an
+    unreadable run.json and the whole run left out."""
+    write_run(tmp_path, "a", {"algo": "grpo"}, [(0, 0.1), (1, 0.5)], 3.0)
+    write_run(tmp_path, "b", {"algo": "grpo"}, [(0, 0.2), (1, 0.7)], 3.0)
+    (tmp_path / "b" / "summary.json").write_text('{"wall_s": 3')
+    assert compare_main([str(tmp_path), "--by", "algo"]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'b' / 'summary.json'} cannot be read (JSONDecodeError" in err and "run.json" not in err
+    assert "| grpo | 2 | 0.600 ± " in (tmp_path / "compare" / "compare.md").read_text()  # both runs, b kept
+
+
 def test_compare_refuses_a_metric_nobody_logged(tmp_path, capsys, warm_cache):
     from rlkit.analysis.compare import main
 

@@ -92,11 +92,25 @@ def load_run(d: Path, name: str) -> RunHistory:
             f"{d / 'metrics.jsonl'} has step {repeated[0]} more than once (two runs in one directory?); keeping "
             "the last"
         )
-    summary = d / "summary.json"
-    wall = json.loads(summary.read_text()).get("wall_s") if summary.exists() else None
-    run = from_rows(name, {**flatten(meta["config"]), **meta["choices"]}, rows, summary.exists(), wall)
+    run = from_rows(
+        name, {**flatten(meta["config"]), **meta["choices"]}, rows, (d / "summary.json").exists(), wall_of(d)
+    )
     run.job = meta.get("job")
     return run
+
+
+def wall_of(d: Path) -> float | None:
+    """The run's wall seconds from its summary.json; None without one, or (said) when it cannot be
+    read, and then the sum of its logged step times stands in."""
+    summary = d / "summary.json"
+    if not summary.exists():
+        return None
+    try:
+        wall = json.loads(summary.read_text()).get("wall_s")
+        return float(wall) if isinstance(wall, (int, float)) else None
+    except (OSError, ValueError, AttributeError) as e:
+        warn(f"{summary} cannot be read ({type(e).__name__}: {e}); the run's wall time is its logged step times")
+        return None
 
 
 def load_runs(root: Path) -> list[RunHistory]:
