@@ -5,12 +5,11 @@ each overall and per difficulty level."""
 from __future__ import annotations
 
 import random
-import sys
 from typing import NamedTuple
 
 import torch
-from tqdm import tqdm
 
+from rlkit import progress
 from rlkit.environments import episodes, generate
 from rlkit.logprobs import demonstration_batch, token_logprobs
 from rlkit.metrics import by_difficulty, feature_metrics, hardest_third
@@ -41,7 +40,8 @@ def answers(
     """Each row's completion (with a multi-turn `environment`, its whole episode), scored by the
     task's reward."""
     correct, lengths, truncated, every, played = [], [], [], [], []
-    for start in tqdm(range(0, len(rows_all), batch_size), desc="rlkit eval", file=sys.stderr, leave=False):
+    batches = range(0, len(rows_all), batch_size)
+    for start in progress.steps(batches, "rlkit: evaluation, prompt batches", len(batches)):
         rows = rows_all[start : start + batch_size]
         ep = None if environment is None else episodes(environment, rows)
         gen = generate(engine, [r["prompt"] for r in rows], max_new_tokens, temperature, top_p, ep)

@@ -11,12 +11,12 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from rlkit import atomic, checkpoint, parallel
 from rlkit.guards import NonFiniteError
 from rlkit.loop import report, step
 from rlkit.preflight import check_portable
+from rlkit.progress import Display
 from rlkit.refusals import ConfigError
 from rlkit.rundir import RunDirLock
 from rlkit.setup import Validated, setup, validate
@@ -60,13 +60,15 @@ def run_steps(
         if stop.received:
             raise Preempted(f"stopped by {stop.received} before the first step; rerun the same command to start")
         start = run.progress.start
-        bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="rlkit", file=sys.stderr)
-        for n in bar:
+        display = Display(start, cfg.steps, run_dir) if rank == 0 else None
+        if display is not None and start == 0:
+            display.line(f"rlkit: step 0/{cfg.steps}: held-out accuracy {run.progress.first_eval['eval/accuracy']:.3f}")
+        for n in range(start + 1, cfg.steps + 1):
             done = step(run, n)
             metrics = report(run, n, done)
-            bar.set_postfix(
-                reward=f"{metrics.get('train/reward', 0.0):.2f}", acc=f"{run.progress.last_eval['eval/accuracy']:.2f}"
-            )
+            if display is not None:
+                held_out = run.progress.last_eval["eval/accuracy"]
+                display.step(n, metrics.get("train/reward"), held_out, evaluated="eval/accuracy" in metrics)
             stopping = parallel.any_rank(bool(stop.received))  # every rank stops after the same step
             if n == cfg.steps or (cfg.checkpoint.every and n % cfg.checkpoint.every == 0) or stopping:
                 path = checkpoint.save_run(run, n)
@@ -77,11 +79,13 @@ def run_steps(
                     f"checkpoint {path}; rerun the same command (same hydra.run.dir) to resume"
                 )
             run.runtime.guard.record(done.stats.skipped, n)
+        if display is not None:
+            display.close()
         run.runtime.logger.finish()
-        return write_summary(run)
+        return write_summary(run, display)
 
 
-def write_summary(run: Run) -> dict:
+def write_summary(run: Run, display: Display | None = None) -> dict:
     """summary.json and the closing line; wall time counts every session of the run, set-up included.
     A rerun of a finished run keeps its summary."""
     rt, p, steps = run.runtime, run.progress, run.cfg.steps
@@ -98,9 +102,9 @@ def write_summary(run: Run) -> dict:
         "wall_s": round(run.wall_s(), 1),
     }
     atomic.write_text(path, json.dumps(summary, indent=1))
-    print(
+    line = (
         f"rlkit: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
-        f"in {summary['wall_s']:.0f}s over {steps} steps ({rt.run_dir})",
-        file=sys.stderr,
+        f"in {summary['wall_s']:.0f}s over {steps} steps ({rt.run_dir})"
     )
+    display.line(line) if display is not None else print(line, file=sys.stderr)
     return summary

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
 from datasets import Dataset
@@ -45,6 +46,7 @@ from rlkit.warm_start import applies as warm_start_applies
 from rlkit.warm_start import warm_start
 
 hf_logging.disable_progress_bar()
+datasets.disable_progress_bars()  # a "Map" bar per split formatted: noise in a run's output
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from rlkit import atomic
+from rlkit import atomic, progress
 from rlkit.atomic import file_lock, staged
 from rlkit.hardware import kernels
 from rlkit.logprobs import demonstration_batch, token_logprobs
@@ -42,7 +41,7 @@ def train_supervised(policy, tokenizer, task, steps: int, batch_size: int, lr: f
     policy.train()
     pool = task.train if task.demonstrations is None else task.demonstrations  # the prompts demonstrated
     n = len(pool)
-    for _ in tqdm(range(steps), desc="rlkit warm start", file=sys.stderr, leave=False):
+    for _ in progress.steps(range(steps), "rlkit: warm start, steps", steps):
         if stop is not None and stop.received:
             raise Preempted(
                 f"stopped by {stop.received} during the warm start; nothing was cached or trained; "

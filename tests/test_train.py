@@ -1,6 +1,7 @@
 """End to end on the built-in testbed: a real tiny model, Hydra config, checkpoints."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cli import metrics
+from cli import metrics, train
 from conftest import make_cfg
 from rlkit.config import resolved
 from rlkit.refusals import ConfigError
@@ -184,3 +185,18 @@ def test_eval_seed_per_run_gives_each_run_seed_its_own_evaluation_samples(tmp_pa
 
     assert start(0, False) == start(1, False)
     assert start(0, True) != start(1, True)
+
+
+def test_output_to_a_file_is_plain_lines_and_train_log_holds_them(tmp_path, warm_cache):
+    """stderr is a pipe here, as under nohup or SLURM: no bar redraws (carriage returns), a line every
+    few steps and one at each evaluation, and the same lines, time-stamped, in train.log."""
+    done = train(tmp_path / "run", warm_cache, "steps=4", "eval.every=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "\r" not in done.stderr
+    lines = [l for l in done.stderr.splitlines() if l.startswith("rlkit: step ")]
+    assert [l.split(":")[1].strip() for l in lines] == ["step 0/4", "step 1/4", "step 2/4", "step 3/4", "step 4/4"]
+    assert "reward" in lines[1] and "s a step, about" in lines[1]  # every step of 4 (about 20 lines a run)
+    assert re.fullmatch(r"rlkit: step 2/4: held-out accuracy \d\.\d{3}", lines[2])  # an evaluation
+    logged = (tmp_path / "run" / "train.log").read_text().splitlines()
+    ours = [l.split("] ", 1)[1] for l in logged if "] rlkit: " in l]
+    assert ours[:5] == lines and ours[-1].startswith("rlkit: held-out accuracy ")
