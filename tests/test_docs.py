@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import yaml
 from hydra import compose, initialize_config_module
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -177,3 +178,34 @@ def test_the_readme_plugin_example_runs_from_the_console_script(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rlkit warm start" not in out.stderr and "rlkit eval" in out.stderr  # progress bars
     assert metrics(tmp_path / "run")[1]["train/num_rows"] == 16
+
+
+def group_rows(text: str) -> dict[str, list[str]]:
+    """{group: its options as a page's groups table lists them} (a `(default)` mark kept)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`") and cells[1].startswith("`"):
+            rows[cells[0].strip("`")] = [o.strip() for o in cells[1].split(",")]
+    return rows
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/configuration.md"])
+def test_the_groups_tables_list_every_option_in_conf(page):
+    """A page's groups table lists exactly the options in conf/<group>/, and a `(default)` mark sits
+    on the option conf/config.yaml chooses; an option added to conf/ without its row fails here."""
+    conf = ROOT / "conf"
+    defaults = {}
+    for entry in yaml.safe_load((conf / "config.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict):
+            defaults.update({k: v for k, v in entry.items() if "/" not in k and not k.startswith("override")})
+    rows = group_rows((ROOT / page).read_text())
+    groups = sorted(
+        p.name for p in conf.iterdir() if p.is_dir() and p.name not in ("hydra", "experiment", "__pycache__")
+    )
+    assert sorted(rows) == groups
+    for group, cells in rows.items():
+        names = [c.split()[0].strip("`") for c in cells]
+        assert sorted(names) == sorted(p.stem for p in (conf / group).glob("*.yaml")), group
+        marked = [c.split()[0].strip("`") for c in cells if "(default)" in c]
+        assert marked in ([], [defaults.get(group)]), group
