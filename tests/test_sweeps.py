@@ -182,6 +182,19 @@ def test_compare_tables_and_plots(tmp_path, capsys):
     assert "grpo" in capsys.readouterr().out
 
 
+def test_a_plot_has_a_title_and_whole_steps_on_its_step_axis(tmp_path):
+    """Three evaluations over 2 steps drew ticks at 0.25-step intervals and no title."""
+    from rlkit.analysis.compare import figure, group_runs
+    from rlkit.analysis.runs import load_runs
+
+    write_run(tmp_path, "a0", {"algo": "grpo"}, [(0, 0.3), (1, 0.5), (2, 0.5)], 100)
+    write_run(tmp_path, "b0", {"algo": "rloo"}, [(0, 0.3), (1, 0.35), (2, 0.45)], 90)
+    fig = figure(group_runs(load_runs(tmp_path), ["algo"]), ["algo"], "eval/accuracy")
+    ticks = [t for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    assert fig._suptitle.get_text() == "eval/accuracy by algo (mean, 95% band over runs)"
+
+
 def test_compare_groups_by_config_keys_and_names_missing_ones(tmp_path, capsys):
     write_run(tmp_path, "a0", {"algo": "grpo"}, [(0, 0.3), (10, 0.5)], 10)
     assert compare_main([str(tmp_path), "--by", "loss.beta", "algo"]) == 0

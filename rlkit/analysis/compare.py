@@ -163,16 +163,30 @@ def draw_panel(ax, curves: dict, panel, by: list[str], colours: list) -> None:
 
 
 def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step", smooth: int = 1) -> bool:
-    """Mean of `metric` per group with a shaded 95% band over runs. Up to three groups share one
-    panel; more get a panel each, with the other groups' means in grey behind, so bands stay readable."""
+    """`figure` written to `path` as a PNG; False (nothing written) when there is nothing to draw."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(groups, by, metric, axis, smooth)
+    if fig is None:
+        return False
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def figure(groups: dict, by: list[str], metric: str, axis: str = "step", smooth: int = 1):
+    """Mean of `metric` per group with a shaded 95% band over runs, titled with the metric and the
+    grouping, whole steps on a step axis. Up to three groups share one panel; more get a panel each,
+    with the other groups' means in grey behind, so bands stay readable. None: nothing to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     curves = drawable(groups, metric, axis, smooth)
     if not curves:
-        return False
+        return None
     panels = list(curves) if len(curves) > 3 else [None]
     cols = min(len(panels), 3)
     rows = math.ceil(len(panels) / cols)
@@ -193,10 +207,11 @@ def plot(groups: dict, by: list[str], metric: str, path: Path, axis: str = "step
         ax.set_xlabel({"step": "step", "tokens": "generated tokens", "time": "wall time (s)"}[axis])
     for ax in axes[:, 0]:
         ax.set_ylabel(metric + (f" (moving average of {smooth})" if smooth > 1 else ""))
+    if axis == "step":
+        axes[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # the panels share it
+    fig.suptitle(f"{metric} by {', '.join(by)} (mean, 95% band over runs)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def differences(
