@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import torch
 
@@ -154,12 +155,25 @@ class Calculator(Environment):
         )
         self.max_turns, self.role, self.preamble = max_turns, role, chat_messages(preamble)
         self.error_reward = float(error_reward)
+        self.batches, self.used = 0, False  # batches of episodes seen; whether any episode called the tool
+
+    IDLE_WARNING = 5  # batches of episodes (the first evaluation, then steps) without a call before a warning
 
     def start(self, row: dict) -> "ToolEpisode":
         return ToolEpisode(self.role, self.error_reward)
 
     def metrics(self, episodes: list, correct: torch.Tensor) -> dict:
-        return tool_metrics(episodes, correct)
+        out = tool_metrics(episodes, correct)
+        self.batches, self.used = self.batches + 1, self.used or bool(out["tool_use"])
+        if not self.used and self.batches == self.IDLE_WARNING:
+            print(
+                "rlkit: warning: environment=calculator: no episode called the tool in its first "
+                f"{self.batches} batches (the first evaluation and the first steps); a model that never writes "
+                '<tool_call>{"name": "calculator", ...}</tool_call> trains as on a single-turn task. Check the '
+                "model's chat template and environment.preamble (an example call)",
+                file=sys.stderr,
+            )
+        return out
 
 
 def chat_messages(messages) -> tuple:

@@ -177,3 +177,21 @@ def test_many_unclosed_tool_call_tags_are_read_in_one_pass():
     # one call, from the first opening tag to the closing one, as the regex paired them: not JSON
     assert ToolEpisode("tool").reply(closed)["content"].startswith("error: the tool call is not JSON")
     assert ToolEpisode("tool").reply("<tool_call>" + closed.removeprefix("<tool_call>" * 30_000))["content"] == "5"
+
+
+def test_a_calculator_whose_episodes_never_call_the_tool_says_so_once(capsys):
+    """A model that never writes a call trains as on a single-turn task, silently; after the
+    first evaluation and four steps without one call the environment warns, once."""
+    env = Calculator()
+    idle = [ToolEpisode("tool") for _ in range(4)]
+    for episode in idle:
+        episode.reply("The answer is 5.")
+    for _ in range(Calculator.IDLE_WARNING + 3):
+        env.metrics(idle, torch.zeros(4, dtype=torch.bool))
+    assert capsys.readouterr().err.count("no episode called the tool in its first 5 batches") == 1
+    used = Calculator()
+    called = ToolEpisode("tool")
+    called.reply('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')
+    for _ in range(Calculator.IDLE_WARNING + 3):
+        used.metrics([called], torch.ones(1, dtype=torch.bool))
+    assert "no episode called the tool" not in capsys.readouterr().err
