@@ -183,7 +183,8 @@ def test_the_readme_plugin_example_runs_from_the_console_script(tmp_path):
 def group_rows(text: str) -> dict[str, list[str]]:
     """{group: its options as a page's groups table lists them} (a `(default)` mark kept)."""
     rows = {}
-    for line in text.splitlines():
+    table = text.split("| group | options | what it is |")[1].split("\n\n")[0]  # the first groups table
+    for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 3 and cells[0].startswith("`") and cells[1].startswith("`"):
             rows[cells[0].strip("`")] = [o.strip() for o in cells[1].split(",")]
@@ -209,3 +210,17 @@ def test_the_groups_tables_list_every_option_in_conf(page):
         assert sorted(names) == sorted(p.stem for p in (conf / group).glob("*.yaml")), group
         marked = [c.split()[0].strip("`") for c in cells if "(default)" in c]
         assert marked in ([], [defaults.get(group)]), group
+
+
+def test_the_configuration_page_s_keys_table_is_the_schema_s_and_help_lists_every_key():
+    """The keys table is written from rlkit/schema.py (each key's default, range and meaning, once),
+    and `rlkit-train --help` prints a line for each key with its meaning."""
+    from rlkit.schema import keys_table, settings
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page.split("<!-- keys table: rlkit.schema.keys_table -->\n")[1].split("\n<!-- end")[0] == keys_table()
+    out = run_cli(["--help"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    for name, f in settings():
+        assert f"\n{name} (" in out.stdout and f.metadata["help"] in out.stdout, name
+    assert "optim.lr (float, default 0.0001; > 0): AdamW learning rate of the policy" in out.stdout

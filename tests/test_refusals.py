@@ -95,7 +95,7 @@ def test_out_of_range_numbers_are_accepted_or_refused_naming_their_key(pick, val
         ("loss.entropy_coef=nan", "loss.entropy_coef must be a finite number, got nan"),
         ("threads=-1", "threads must be >= 0"),
         ("warm_start.batch_size=0", "warm_start.batch_size must be >= 1"),
-        ("optim.beta2=1", "optim.beta1 and optim.beta2 must be in [0, 1)"),
+        ("optim.beta2=1", "optim.beta2 must be in [0, 1), got 1.0"),
     ],
 )
 def test_bad_numbers_are_refused_before_anything_is_built(tmp_path, override, message):
