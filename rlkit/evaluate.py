@@ -5,6 +5,7 @@ each overall and per difficulty level."""
 from __future__ import annotations
 
 import random
+import time
 from typing import NamedTuple
 
 import torch
@@ -186,3 +187,12 @@ def held_out(run) -> dict:
     return evaluate(
         p.engine.latest(), p.tokenizer, p.task, **run.settings.evaluation, policy=p.policy, environment=p.environment
     )
+
+
+def timed_eval(run) -> tuple[dict, float]:
+    """The held-out evaluation and its seconds, which the run's accounts keep."""
+    t = time.perf_counter()
+    out = held_out(run)
+    seconds = time.perf_counter() - t
+    run.runtime.spend("eval", seconds)
+    return out, seconds

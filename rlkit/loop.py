@@ -15,7 +15,7 @@ import torch
 from rlkit import parallel
 from rlkit.critic import explained_variance
 from rlkit.environments import episodes, generate, turn_rewards
-from rlkit.evaluate import held_out
+from rlkit.evaluate import timed_eval
 from rlkit.guards import checked_advantages
 from rlkit.logprobs import rollout_logprobs
 from rlkit.metrics import generated_metrics, kept_metrics, mismatch_metrics, samples, update_metrics, weight_metrics
@@ -220,6 +220,7 @@ def step(run: Run, n: int) -> StepResult:
         rollout, metrics = collect(run)
         kept = parallel.any_rank(rollout.num_rows > 0)  # dynamic sampling may keep nothing
         batch, stats = prepare_and_update(run, rollout) if kept else (None, UpdateStats())
+    rt.spend("steps", rt.timer["step"])
     return StepResult(rollout, batch, stats, measure(run, n, rollout, batch, stats, metrics))
 
 
@@ -228,7 +229,7 @@ def report(run: Run, n: int, done: StepResult) -> dict:
     sample completions. Returns the logged metrics."""
     s, metrics = run.settings, done.metrics
     if n == s.steps or (s.eval_every and n % s.eval_every == 0):
-        run.progress.last_eval = held_out(run)
+        run.progress.last_eval, metrics["time/eval"] = timed_eval(run)
         metrics.update(run.progress.last_eval)
     metrics = parallel.mean_metrics(metrics)
     run.runtime.logger.log(n, metrics)  # metrics without a value (None) are left out

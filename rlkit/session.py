@@ -71,7 +71,9 @@ def run_steps(
                 display.step(n, metrics.get("train/reward"), held_out, evaluated="eval/accuracy" in metrics)
             stopping = parallel.any_rank(bool(stop.received))  # every rank stops after the same step
             if n == cfg.steps or (cfg.checkpoint.every and n % cfg.checkpoint.every == 0) or stopping:
+                t = time.perf_counter()
                 path = checkpoint.save_run(run, n)
+                run.runtime.spend("checkpoint", time.perf_counter() - t)
             if stopping:
                 run.runtime.logger.finish()
                 raise Preempted(
@@ -83,6 +85,15 @@ def run_steps(
             display.close()
         run.runtime.logger.finish()
         return write_summary(run, display)
+
+
+def accounts(rt) -> dict:
+    """This session's wall seconds by what they went to: building (models, data, warm start), the
+    steps, evaluations, checkpoints, and `other` (checks, logging, the summary), which with them sums
+    to `total`."""
+    total = time.perf_counter() - rt.t0
+    spent = {k: round(v, 2) for k, v in rt.spent.items()}
+    return {**spent, "other": round(total - sum(rt.spent.values()), 2), "total": round(total, 2)}
 
 
 def write_summary(run: Run, display: Display | None = None) -> dict:
@@ -100,6 +111,7 @@ def write_summary(run: Run, display: Display | None = None) -> dict:
         "accuracy_after": p.last_eval["eval/accuracy"],
         "steps": steps,
         "wall_s": round(run.wall_s(), 1),
+        "session_s": accounts(rt),
     }
     atomic.write_text(path, json.dumps(summary, indent=1))
     line = (

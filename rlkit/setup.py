@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from rlkit.components import (
 )
 from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.environments import Checked
-from rlkit.evaluate import held_out
+from rlkit.evaluate import timed_eval
 from rlkit.guards import NonFiniteGuard
 from rlkit.hardware import hardware
 from rlkit.preflight import check_context, check_encodable, check_rollout_memory
@@ -260,9 +261,12 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
         torch.set_num_threads(cfg.threads or run_info["threads"])
     rank = c.parallel.rank
     device = torch.device(parallel.local_device(cfg.device))
+    built = time.perf_counter()
     parts, warm = build_parts(cfg, c, device, stop)
+    built = time.perf_counter() - built
     seed_everything(cfg.seed + rank)  # ranks sample differently; rank 0 as a single process would
     runtime = Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite))
+    runtime.spend("build", built)  # models, data, the warm start
     run = Run(cfg, parts, Settings.of(cfg, parts), Progress(), runtime)
     if rank == 0:  # it holds the directory's lock: temporary files there are of writers that died
         rundir.remove_stale_temporaries(run_dir)
@@ -271,9 +275,10 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
     if cfg.checkpoint.resume:
         checkpoint.resume(run)
     run.runtime.logger = NullLogger() if rank else start_logging(run, c, run_info, warm)  # rank 0 alone writes
-    p = run.progress
-    p.first_eval = p.first_eval or held_out(run)
+    p, timing = run.progress, {}
+    if not p.first_eval:  # a resumed run keeps its checkpoint's
+        p.first_eval, timing["time/eval"] = timed_eval(run)
     p.last_eval = p.last_eval or p.first_eval
     if p.start == 0:
-        run.runtime.logger.log(0, p.first_eval)
+        run.runtime.logger.log(0, {**p.first_eval, **timing})
     return run

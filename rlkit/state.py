@@ -154,6 +154,10 @@ class Runtime:
     guard: NonFiniteGuard | None = None
     timer: Timer = field(default_factory=Timer)
     t0: float = field(default_factory=time.perf_counter)  # this session's start
+    spent: dict = field(default_factory=dict)  # this session's seconds by what they went to (build, eval, ...)
+
+    def spend(self, what: str, seconds: float) -> None:
+        self.spent[what] = self.spent.get(what, 0.0) + seconds
 
     @property
     def rank(self) -> int:

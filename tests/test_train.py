@@ -200,3 +200,15 @@ def test_output_to_a_file_is_plain_lines_and_train_log_holds_them(tmp_path, warm
     logged = (tmp_path / "run" / "train.log").read_text().splitlines()
     ours = [l.split("] ", 1)[1] for l in logged if "] rlkit: " in l]
     assert ours[:5] == lines and ours[-1].startswith("rlkit: held-out accuracy ")
+
+
+def test_a_runs_wall_time_is_accounted_for_by_what_it_went_to(tmp_path, warm_cache):
+    """summary.json splits the session's wall seconds into building, steps, evaluations (each also
+    logged as time/eval at its step), checkpoints and the rest, which sum to the session's total."""
+    run(make_cfg(["steps=3", "eval.every=2"], cache_dir=warm_cache), str(tmp_path))
+    spent = json.loads((tmp_path / "summary.json").read_text())["session_s"]
+    assert set(spent) == {"build", "steps", "eval", "checkpoint", "other", "total"}
+    parts = sum(v for k, v in spent.items() if k != "total")
+    assert parts == pytest.approx(spent["total"], abs=0.05) and min(spent.values()) >= 0
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines if "time/eval" in l] == [0, 2, 3]  # the evaluations: start, every 2, last
