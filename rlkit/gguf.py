@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from rlkit.atomic import file_lock, sha256, staged
+from rlkit.progress import library_bars_off_terminal
 from rlkit.refusals import ConfigError
 
 DONE = "rlkit_gguf.json"  # written last into a converted folder: its source file and checksum
@@ -58,7 +59,7 @@ def convert(file: Path, digest: str, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"rlkit: converting {file} into a Hugging Face folder at {folder} (once)", file=sys.stderr)
-    with staged(folder, f"the converted model {file.name} (model cache)") as tmp:
+    with staged(folder, f"the converted model {file.name} (model cache)") as tmp, library_bars_off_terminal():
         try:
             AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(tmp)
             loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)

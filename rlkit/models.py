@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -166,7 +167,9 @@ class Pretrained(FullModel):
 
             torch.manual_seed(seed)
             try:
-                model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **self.lora))
+                with warnings.catch_warnings():  # peft asks a deprecated transformers name; not the user's to fix
+                    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+                    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **self.lora))
             except ValueError as e:  # peft's NoMatchingPeftModuleError and friends
                 linear = sorted(
                     {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -6,8 +6,10 @@ and a line every 30 s of a long warm start or evaluation. The run's lines also g
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +21,20 @@ LINES_A_RUN = 20  # about this many step lines a run, away from a terminal
 
 def on_terminal() -> bool:
     return sys.stderr.isatty()
+
+
+@contextmanager
+def library_bars_off_terminal():
+    """A library's own tqdm bars (transformers' GGUF conversion) silenced away from a terminal, where
+    their redraws would be one long line in a log file."""
+    if on_terminal() or "TQDM_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TQDM_DISABLE"] = "1"  # read by every tqdm bar made while it is set
+    try:
+        yield
+    finally:
+        del os.environ["TQDM_DISABLE"]
 
 
 def minutes(seconds: float) -> str:
