@@ -2,6 +2,7 @@
 on records the test writes), the plan comes from the pilot's spread, every study in experiments/
 composes, and a tiny study runs end to end through real training runs, killed and resumed."""
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -21,11 +22,11 @@ from cli import TIMING
 from conftest import FAST, make_cfg
 from rlkit.analysis import stats
 from rlkit.analysis.decision import analyse
-from rlkit.analysis.records import check_logged, plan, read_records
+from rlkit.analysis.records import check_logged, plan, read_plan, read_records
 from rlkit.analysis.runs import aggregate_name, reached
 from rlkit.analysis.study import Stopped, StudyError, every_arm, load_spec, overrides
 from rlkit.analysis.study_cli import main as study_main
-from rlkit.analysis.values import State, Verdict
+from rlkit.analysis.values import Plan, State, Verdict
 from rlkit.analysis.verdict import MARKER, report
 from rlkit.session import run
 from rlkit.setup import validate
@@ -73,6 +74,11 @@ def records(base, treat, **kw):
 def verdict(spec, recs, plan_=None):
     """The verdict of treatment t as the README heads it, and its reason in full."""
     return words(analyse(spec, recs, plan_))
+
+
+def capped(spec) -> Plan:
+    """A plan that ran to the study's cap."""
+    return Plan(spec.seeds.pilot, spec.seeds.cap, spec.alpha, {}, {}, spec.seeds.cap + 1, spec.seeds.cap, True)
 
 
 def words(r) -> tuple[str, str]:
@@ -138,7 +144,7 @@ def test_verdicts_follow_the_four_outcomes_of_equivalence_testing(tmp_path):
     near = records([0.3, 0.4, 0.5, 0.35, 0.45], [0.301, 0.398, 0.5015, 0.349, 0.4505])  # mean 0.0000, sd 0.0015
     word, why = verdict(spec, near)
     assert word == "not tested" and why.startswith("no positive control showed that this testbed can see an effect")
-    word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.3, 0.55]), {"capped": True})  # +0.017, sd 0.104
+    word, why = verdict(spec, records([0.3, 0.4, 0.5], [0.4, 0.3, 0.55]), capped(spec))  # +0.017, sd 0.104
     assert word == "inconclusive (not gated)" and "neither a difference nor an equivalence is shown" in why
     assert "seeds per arm would decide it" in why and "at the seed cap (8)" in why
     equal = write_spec(
@@ -266,7 +272,7 @@ def test_the_plan_works_when_a_treatment_left_no_pilot_value(tmp_path):
     spec = write_spec(tmp_path, seeds={"pilot": 3, "cap": 8})
     pilot = [rec("b", s, v) for s, v in enumerate([0.3, 0.4, 0.5])]  # every t run of the pilot crashed at once
     p = plan(spec, pilot + [({**rec("t", s, 0)[0], "finished": False, "exit": 1}, []) for s in range(3)])
-    assert p["arms"]["t"]["pilot_pairs"] == 0 and p["seeds"] == 3  # no spread to plan from: the pilot's count
+    assert p.arms["t"].pilot_pairs == 0 and p.seeds == 3  # no spread to plan from: the pilot's count
 
 
 def test_the_cost_to_reach_a_target_counts_runs_that_never_reach_it_at_their_end(tmp_path):
@@ -342,7 +348,7 @@ def test_a_study_against_the_starting_policy_pairs_each_run_with_its_own_step_ze
     )
     assert "t's step-0 value eval/accuracy = 0.3 over 4 runs" in r.gates["premises"].lines[0]
     check_logged(spec, recs)  # the premise's metric is looked for in the first arm's runs (start has none)
-    assert plan(spec, recs)["arms"]["t"]["pilot_pairs"] == 2  # the pilot's seeds (2), paired with their start
+    assert plan(spec, recs).arms["t"].pilot_pairs == 2  # the pilot's seeds (2), paired with their start
     assert "baseline `start` (each seed's starting policy" in report(spec, "s", tmp_path, recs, None)
     with pytest.raises(StudyError, match="baseline 'start' needs at least one arm and no arm or control named"):
         write_spec(tmp_path, arms={"start": ["algo=grpo"]}, baseline="start")
@@ -402,8 +408,8 @@ def test_the_plan_comes_from_the_pilot_spread_at_the_declared_effect(tmp_path):
     pilot = records([0.3, 0.4, 0.5], [0.33, 0.47, 0.52])  # differences 0.03, 0.07, 0.02: sd 0.026458
     p = plan(spec, pilot + [rec("b", 3, 0.9), rec("t", 3, 0.1)])  # seeds past the pilot do not count
     sd = stats.inflated_sd(0.026458, 3, 0.8)
-    assert p["arms"]["t"]["pilot_sd"] == pytest.approx(0.026458, abs=1e-5)
-    assert p["needed"] == stats.seeds_for_power(0.05, sd, True) and p["seeds"] == min(8, p["needed"])
+    assert p.arms["t"].pilot_sd == pytest.approx(0.026458, abs=1e-5)
+    assert p.needed == stats.seeds_for_power(0.05, sd, True) and p.seeds == min(8, p.needed)
 
 
 def test_the_plan_covers_the_positive_control_and_the_learning_check(tmp_path):
@@ -414,19 +420,19 @@ def test_the_plan_covers_the_positive_control_and_the_learning_check(tmp_path):
     base, near = [0.40, 0.45, 0.50], [0.41, 0.44, 0.52]
     control = [rec("c", s, v + d) for s, (v, d) in enumerate(zip(base, [0.05, 0.09, 0.07]))]  # +0.07, sd 0.02
     p = plan(spec, records(base, near) + control)
-    c, sd = p["gates"]["positive control"], stats.inflated_sd(0.02, 3, 0.8)
-    assert c["pilot_effect"] == pytest.approx(0.07) and c["planning_sd"] == pytest.approx(sd)
+    c, sd = p.gates["positive control"], stats.inflated_sd(0.02, 3, 0.8)
+    assert c.pilot_effect == pytest.approx(0.07) and c.planning_sd == pytest.approx(sd)
     # the mean past 0.05 with power 0.8: (0.8416 * sd / 0.02)^2 = 3.2 -> 4 pairs; significance needs 6
     by_hand = math.ceil((stats.sps.norm.ppf(0.8) * sd / 0.02) ** 2)
-    assert by_hand == 4 and c["needed"] == stats.seeds_for_power(0.07, sd, True) == 6
-    learn = p["gates"]["learning check"]  # gains 0.10, 0.15, 0.20 against the margin 0.05 (gated_args)
-    assert learn["pilot_effect"] == pytest.approx(0.15) and learn["needed"] == stats.seeds_for_power(
+    assert by_hand == 4 and c.needed == stats.seeds_for_power(0.07, sd, True) == 6
+    learn = p.gates["learning check"]  # gains 0.10, 0.15, 0.20 against the margin 0.05 (gated_args)
+    assert learn.pilot_effect == pytest.approx(0.15) and learn.needed == stats.seeds_for_power(
         0.10, stats.inflated_sd(0.05, 3, 0.8), True
     )
-    assert p["needed"] == max(p["arms"]["t"]["needed"], c["needed"], learn["needed"]) and p["short"] == []
+    assert p.needed == max(p.arms["t"].needed, c.needed, learn.needed) and p.short == ()
     weak = [rec("c", s, v + 0.02) for s, v in enumerate(base)]  # +0.02: below the smallest effect
     p = plan(spec, records(base, near) + weak)
-    assert p["gates"]["positive control"]["needed"] is None and p["short"] == ["positive control"]
+    assert p.gates["positive control"].needed is None and p.short == ("positive control",)
 
 
 def test_a_plan_that_foreseeably_cannot_decide_stops_after_the_pilot_for_a_decision(tmp_path, monkeypatch, capsys):
@@ -467,7 +473,7 @@ def test_no_verdict_or_comparison_is_reported_while_planned_runs_are_missing(tmp
     text = report(spec, "s", tmp_path, pilot[:1] + pilot[2:3], None)
     assert "Incomplete: 2 of 4 pilot runs recorded (to come: b seed 1, t seed 1)" in text
     assert "### Verdict" not in text and "0.5" not in text.split("## Result")[1]
-    fixed = {**plan(spec, pilot), "seeds": 3}  # the plan asks for a third seed
+    fixed = dataclasses.replace(plan(spec, pilot), seeds=3)  # the plan asks for a third seed
     text = report(spec, "s", tmp_path, pilot, fixed)
     assert "Incomplete: 4 of 6 planned runs recorded (to come: b seed 2, t seed 2)" in text
     assert "planned 3 per arm" in text and "### Verdict" not in text
@@ -538,8 +544,8 @@ def test_a_tiny_study_runs_end_to_end_and_resumes_after_sigterm_and_kill(tmp_pat
         assert (runs / f"{interrupted}.log").read_text().count("$ ") == 2
     heads = [h for h, _ in read_records(folder / "results")]
     assert sorted((h["arm"], h["seed"]) for h in heads) == sorted((a, s) for a in ("grpo", "dr_grpo") for s in range(2))
-    fixed = json.loads((folder / "results" / "plan.json").read_text())
-    assert fixed["capped"] and fixed["seeds"] == 2  # the planned count passes the cap of 2
+    fixed = read_plan(folder / "results" / "plan.json")
+    assert fixed.capped and fixed.seeds == 2  # the planned count passes the cap of 2
     for name in ("dr_grpo_seed0", "grpo_seed1"):
         rows = gzip.decompress((folder / "results" / "runs" / f"{name}.jsonl.gz").read_bytes()).decode().splitlines()
         assert [json.loads(r)["step"] for r in rows[1:]] == [0, 1, 2]

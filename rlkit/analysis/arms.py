@@ -75,7 +75,7 @@ def planned_runs(spec, seeds: int) -> list[tuple[str, int]]:
     return [(arm, seed) for seed in range(seeds) for arm in every_arm(spec)]
 
 
-def missing_runs(spec, records: list, plan: dict | None) -> list[tuple[str, int]]:
+def missing_runs(spec, records: list, plan) -> list[tuple[str, int]]:
     """The runs the study still owes: the planned seeds' (the pilot's while no plan is fixed) not recorded."""
     recorded = {(head["arm"], head["seed"]) for head, _ in records}
-    return [run for run in planned_runs(spec, plan["seeds"] if plan else spec.seeds.pilot) if run not in recorded]
+    return [run for run in planned_runs(spec, plan.seeds if plan else spec.seeds.pilot) if run not in recorded]

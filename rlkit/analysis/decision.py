@@ -13,7 +13,7 @@ from rlkit.analysis.compare import fmt
 from rlkit.analysis.runs import WITHDRAWN, aggregate, aggregate_name
 from rlkit.analysis.stats import mean_ci
 from rlkit.analysis.study import SAMPLED, START, learner, learning_margin, treatments
-from rlkit.analysis.values import Analysis, Bound, Gate, Verdict, gate
+from rlkit.analysis.values import Analysis, Bound, Gate, Plan, Verdict, gate
 
 MIN_PAIRS = 3  # fewer pairs give no verdict
 
@@ -213,7 +213,7 @@ def gate_checks(spec, arms: dict, values: dict) -> dict[str, Gate]:
     }
 
 
-def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> Analysis:
+def analyse(spec, records: list, plan: Plan | None, robust: bool = True) -> Analysis:
     """Every number of the report, from the records alone; `robust` False leaves out the bootstrap
     statistics (the slow part), for a summary that needs only the verdicts."""
     tested = treatments(spec)
@@ -225,7 +225,7 @@ def analyse(spec, records: list, plan: dict | None, robust: bool = True) -> Anal
     p_eq = dict(zip(tested, stats.holm([d.tost(spec.primary.smallest_effect) for d in diffs.values()])))
     engaged, engagement_lines = engagement_gates(spec, arms, tested)
     gates = gate_checks(spec, arms, values)
-    cap = spec.seeds.cap if plan and plan.get("capped") else None
+    cap = spec.seeds.cap if plan and plan.capped else None
     verdicts = {
         arm: dataclasses.replace(
             decide(spec, diffs[arm], p_sig[arm], p_eq[arm], {**gates, "engagement": engaged[arm]}), cap=cap

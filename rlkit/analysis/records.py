@@ -25,6 +25,7 @@ from rlkit.analysis.study import (
     treatments,
     with_defaults,
 )
+from rlkit.analysis.values import Need, Plan
 from rlkit.exits import EXIT_BAD_INPUT
 
 
@@ -81,14 +82,14 @@ def read_records(results: Path) -> list[tuple[dict, list[dict]]]:
     return out
 
 
-def read_plan(path: Path) -> dict:
+def read_plan(path: Path) -> Plan:
     """The plan fixed from the pilot; a damaged file is named with what to do."""
     try:
-        plan_ = json.loads(path.read_text())
-        if not isinstance(plan_, dict) or {"seeds", "declared"} - set(plan_):
+        kept = json.loads(path.read_text())
+        if not isinstance(kept, dict):
             raise ValueError("not a plan")
-        return plan_
-    except (OSError, ValueError) as e:
+        return Plan.from_json(kept)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise Stopped(
             EXIT_BAD_INPUT,
             f"{path} is damaged ({type(e).__name__}: {e}): restore it from version "
@@ -115,7 +116,7 @@ def check_declaration(spec: StudySpec, name: str, results: Path, records: list) 
                 f"{overrides(spec, head['arm']) if known else 'no such arm'}; {fix}",
             )
     plan_file, now = results / "plan.json", declared(spec)
-    kept = [(str(plan_file), read_plan(plan_file)["declared"])] if plan_file.exists() else []
+    kept = [(str(plan_file), read_plan(plan_file).declared)] if plan_file.exists() else []
     kept += [(f"the record of {h['arm']} seed {h['seed']}", h["declared"]) for h, _ in records if "declared" in h]
     for where, was in kept:
         was = with_defaults(was)
@@ -153,7 +154,7 @@ def check_logged(spec: StudySpec, records: list) -> None:
         )
 
 
-def plan(spec: StudySpec, records: list) -> dict:
+def plan(spec: StudySpec, records: list) -> Plan:
     """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
     declared smallest effect (an equivalence margin for `equal`), Bonferroni over the treatments;
     and for each gate that needs power (`gate_plans`: the positive control, the learning check) the
@@ -162,14 +163,7 @@ def plan(spec: StudySpec, records: list) -> dict:
     arms = runs_by_arm(pilot, spec)[0]
     values = per_run(arms, spec.primary, spec.unfinished)
     tested = treatments(spec)
-    alpha = spec.alpha / len(tested)
-    out = {
-        "pilot_seeds": spec.seeds.pilot,
-        "cap": spec.seeds.cap,
-        "alpha_for_planning": alpha,
-        "arms": {},
-        "declared": declared(spec),
-    }
+    alpha, needs = spec.alpha / len(tested), {}
     for arm in tested:
         d = stats.paired(*pair(values, spec.baseline, arm))  # a treatment whose pilot left no value: no pairs
         sd = raised(d, spec.seeds.pilot_confidence)
@@ -177,21 +171,24 @@ def plan(spec: StudySpec, records: list) -> dict:
             need = stats.seeds_for_equivalence(spec.primary.smallest_effect, sd, spec.power, alpha)
         else:
             need = stats.seeds_for_power(spec.primary.smallest_effect, sd, True, spec.power, alpha)
-        out["arms"][arm] = {
-            "pilot_pairs": d.n,
-            "pilot_sd": d.sd,
-            "planning_sd": sd,
-            "needed": need if need is not None else spec.seeds.pilot,
-        }
-    out["gates"] = gate_plans(spec, arms, values)
-    short = [g for g, v in out["gates"].items() if v["needed"] is None]
-    needed = max([a["needed"] for a in out["arms"].values()] + [g["needed"] or 0 for g in out["gates"].values()])
-    seeds = min(spec.seeds.cap, max(spec.seeds.pilot, needed))
-    out.update(needed=needed, seeds=seeds, capped=needed > spec.seeds.cap, short=short)
-    return out
+        needs[arm] = Need(d.sd, sd, need if need is not None else spec.seeds.pilot, pilot_pairs=d.n)
+    gates = gate_plans(spec, arms, values)
+    needed = max([n.needed for n in needs.values()] + [g.needed or 0 for g in gates.values()])
+    return Plan(
+        pilot_seeds=spec.seeds.pilot,
+        cap=spec.seeds.cap,
+        alpha_for_planning=alpha,
+        arms=needs,
+        declared=declared(spec),
+        needed=needed,
+        seeds=min(spec.seeds.cap, max(spec.seeds.pilot, needed)),
+        capped=needed > spec.seeds.cap,
+        gates=gates,
+        short=tuple(g for g, n in gates.items() if n.needed is None),
+    )
 
 
-def gate_plans(spec: StudySpec, arms: dict, values: dict) -> dict:
+def gate_plans(spec: StudySpec, arms: dict, values: dict) -> dict[str, Need]:
     """{gate: the pilot's effect, its sd raised as the primary's is, seeds needed} for the gates that
     need power, taking the pilot's effect as the true one (a gate is no claim: its strength is the
     testbed's): the positive control, whose paired difference from the baseline must be significant
@@ -209,14 +206,14 @@ def gate_plans(spec: StudySpec, arms: dict, values: dict) -> dict:
         need = None
         if effect > delta:  # significant against 0, and the mean past the smallest effect, each with `power`
             need = max(stats.seeds_for_power(effect, sd, True, power, alpha) or 2, beyond(effect - delta, sd, power))
-        out["positive control"] = {"pilot_effect": effect, "pilot_sd": d.sd, "planning_sd": sd, "needed": need}
+        out["positive control"] = Need(d.sd, sd, need, pilot_effect=effect)
     if spec.learning is not None:
         gains = list(per_run(arms, spec.learning, spec.unfinished).get(learner(spec), {}).values())
         d = stats.paired([0.0] * len(gains), gains)
         sd, excess = raised(d, conf), d.diff - learning_margin(spec)
         # the interval's lower end past the margin: a one-sided test of the excess at alpha / 2
         need = (stats.seeds_for_power(excess, sd, True, power, alpha) or 2) if excess > 0 else None
-        out["learning check"] = {"pilot_effect": d.diff, "pilot_sd": d.sd, "planning_sd": sd, "needed": need}
+        out["learning check"] = Need(d.sd, sd, need, pilot_effect=d.diff)
     return out
 
 

@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rlkit import atomic
 from rlkit.analysis.arms import planned_runs
 from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
 from rlkit.analysis.study import Stopped, StudySpec, overrides
+from rlkit.analysis.values import Plan
 from rlkit.exits import EXIT_DECISION, EXIT_PREEMPTED
 from rlkit.signals import STOPS
 
@@ -154,35 +156,28 @@ def run_planned(
     check_logged(spec, read_records(results))
     plan_file = results / "plan.json"
     if not plan_file.exists():  # fixed once, from the pilot alone; a resumed study keeps it
-        atomic.write_text(plan_file, json.dumps(plan(spec, read_records(results)), indent=1))
+        atomic.write_text(plan_file, json.dumps(plan(spec, read_records(results)).to_json(), indent=1))
     fixed = read_plan(plan_file)
     print(
-        f"rlkit-study: {name}: plan: {fixed['seeds']} seeds per arm (needed {fixed['needed']}, cap {fixed['cap']})",
+        f"rlkit-study: {name}: plan: {fixed.seeds} seeds per arm (needed {fixed.needed}, cap {fixed.cap})",
         file=sys.stderr,
     )
-    if fixed["seeds"] > spec.seeds.pilot and undecidable(fixed) and not fixed.get("to_cap"):
+    if fixed.seeds > spec.seeds.pilot and fixed.undecidable and not fixed.to_cap:
         if not to_cap:
-            raise Stopped(EXIT_DECISION, decision(name, spec, fixed))
-        atomic.write_text(plan_file, json.dumps({**fixed, "to_cap": True}, indent=1))  # the decision, kept
-    run_seeds(spec, name, fixed["seeds"], runs, results, signals, jobs)
+            raise Stopped(EXIT_DECISION, decision(name, fixed))
+        atomic.write_text(plan_file, json.dumps(replace(fixed, to_cap=True).to_json(), indent=1))  # kept
+    run_seeds(spec, name, fixed.seeds, runs, results, signals, jobs)
 
 
-def undecidable(fixed: dict) -> bool:
-    """Whether the plan foreseeably ends without a decision: it needs more seeds than the cap, or the
-    pilot fell short of a gate's bound."""
-    return bool(fixed.get("capped") or fixed.get("short"))
-
-
-def decision(name: str, spec: StudySpec, fixed: dict) -> str:
+def decision(name: str, fixed: Plan) -> str:
     """Why the study stops after its pilot, and the two ways on."""
-    why = [f"the plan needs {fixed['needed']} seeds per arm, past the cap of {fixed['cap']}"] if fixed["capped"] else []
-    why += [f"the pilot fell short of the {gate}'s bound" for gate in fixed.get("short", [])]
+    why = [f"the plan needs {fixed.needed} seeds per arm, past the cap of {fixed.cap}"] if fixed.capped else []
+    why += [f"the pilot fell short of the {gate}'s bound" for gate in fixed.short]
     needs = "; ".join(
-        f"{what}: {v['needed'] if v['needed'] is not None else 'short'}"
-        for what, v in [*fixed["arms"].items(), *fixed.get("gates", {}).items()]
+        f"{what}: {n.needed if n.needed is not None else 'short'}" for what, n in {**fixed.arms, **fixed.gates}.items()
     )
     return (
         f"{name}: {' and '.join(why)} ({needs}), so running to the cap would foreseeably end inconclusive or not "
-        f"tested. Decide: `rlkit-study {name} --to-cap` runs the planned {fixed['seeds']} seeds anyway (kept in "
+        f"tested. Decide: `rlkit-study {name} --to-cap` runs the planned {fixed.seeds} seeds anyway (kept in "
         "plan.json), or declare a new study (a higher cap, a stronger mechanism); the pilot's records are kept"
     )

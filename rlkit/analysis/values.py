@@ -5,6 +5,7 @@ and the studies table only format them."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -121,3 +122,57 @@ class Analysis:
         """Whether the baseline learned (None: no learning check declared)."""
         g = self.gates["learning"]
         return None if not g.declared else not g.failed
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one part of a plan needs: the pilot's spread (and effect, for a gate), the spread it was
+    raised to, and the seeds needed (None: the pilot fell short of the gate's bound)."""
+
+    pilot_sd: float
+    planning_sd: float
+    needed: int | None
+    pilot_pairs: int | None = None  # a treatment's pairs in the pilot
+    pilot_effect: float | None = None  # a gate's effect in the pilot
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k == "needed"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The seed count fixed once from the pilot (`plan.json`): each treatment's and each gate's
+    `Need`, the most needed, the seeds that will run (up to the cap), and the decision to run to
+    the cap when the plan foreseeably cannot decide."""
+
+    pilot_seeds: int
+    cap: int
+    alpha_for_planning: float
+    arms: dict[str, Need]
+    declared: dict  # the study file's declaration the plan was made under
+    needed: int
+    seeds: int
+    capped: bool
+    gates: dict[str, Need] = field(default_factory=dict)
+    short: tuple[str, ...] = ()  # the gates whose pilot fell short of their bound
+    to_cap: bool = False
+
+    @property
+    def undecidable(self) -> bool:
+        """Whether running the plan foreseeably ends without a decision."""
+        return self.capped or bool(self.short)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Plan:
+        """A plan as `plan.json` keeps it (files from before gates were planned have none)."""
+        needs = {g: {a: Need(**v) for a, v in d.get(g, {}).items()} for g in ("arms", "gates")}
+        keep = {k: d[k] for k in ("pilot_seeds", "cap", "alpha_for_planning", "declared", "needed", "seeds", "capped")}
+        return cls(**keep, **needs, short=tuple(d.get("short", ())), to_cap=d.get("to_cap", False))
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(
+            arms={a: n.to_json() for a, n in self.arms.items()}, gates={g: n.to_json() for g, n in self.gates.items()}
+        )
+        out["short"] = list(self.short)
+        return out

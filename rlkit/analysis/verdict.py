@@ -13,7 +13,7 @@ from rlkit.analysis.compare import plot
 from rlkit.analysis.decision import analyse, fmt_ci
 from rlkit.analysis.runs import aggregate_name
 from rlkit.analysis.study import START, learner, learning_margin, treatments
-from rlkit.analysis.values import Analysis, Bound
+from rlkit.analysis.values import Analysis, Bound, Plan
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
 
@@ -27,19 +27,17 @@ def engagement_words(e) -> str:
     )
 
 
-def seed_words(spec, plan: dict | None) -> str:
+def seed_words(spec, plan: Plan | None) -> str:
     seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
     if plan is None:
         return seeds
-    sds = "".join(
-        f"; {a}: pilot sd {v['pilot_sd']:.3g} raised to {v['planning_sd']:.3g}" for a, v in plan["arms"].items()
-    )
+    sds = "".join(f"; {a}: pilot sd {n.pilot_sd:.3g} raised to {n.planning_sd:.3g}" for a, n in plan.arms.items())
     gates = "".join(
-        f"; {g}: needs {v['needed'] if v['needed'] is not None else 'more than any count (the pilot fell short)'}"
-        for g, v in plan.get("gates", {}).items()
+        f"; {g}: needs {n.needed if n.needed is not None else 'more than any count (the pilot fell short)'}"
+        for g, n in plan.gates.items()
     )
-    to_cap = "; run to the cap by decision (--to-cap)" if plan.get("to_cap") else ""
-    return seeds + f"; planned {plan['seeds']} per arm (needed {plan['needed']}{sds}{gates}){to_cap}"
+    to_cap = "; run to the cap by decision (--to-cap)" if plan.to_cap else ""
+    return seeds + f"; planned {plan.seeds} per arm (needed {plan.needed}{sds}{gates}){to_cap}"
 
 
 def gate_words(spec) -> list[str]:
@@ -59,7 +57,7 @@ def gate_words(spec) -> list[str]:
     return lines + [f"- Runs that stop early count by: {spec.unfinished}"]
 
 
-def protocol(spec, plan: dict | None, treatments: int) -> list[str]:
+def protocol(spec, plan: Plan | None, treatments: int) -> list[str]:
     """The study file in words, with the plan fixed from the pilot."""
     P = spec.primary
     arms = ", ".join(f"`{a}` ({' '.join(o) or 'no overrides'})" for a, o in spec.arms.items())
@@ -148,7 +146,7 @@ def provenance_lines(records: list, name: str) -> list[str]:
     ]
 
 
-def incomplete_lines(name: str, records: list, plan: dict | None, missing: list) -> list[str]:
+def incomplete_lines(name: str, records: list, plan: Plan | None, missing: list) -> list[str]:
     """What a study with planned runs still to come reports instead of its comparisons, so that no
     interim look can steer it (its seeds are fixed by the plan)."""
     owed = ", ".join(f"{arm} seed {seed}" for arm, seed in missing)
@@ -161,7 +159,7 @@ def incomplete_lines(name: str, records: list, plan: dict | None, missing: list)
     ]
 
 
-def report(spec, name: str, results: Path, records: list, plan: dict | None) -> str:
+def report(spec, name: str, results: Path, records: list, plan: Plan | None) -> str:
     """The README section: the declared protocol, the plan, the result table, verdicts, secondary
     lines, what was left out and where the numbers come from; only the protocol and what is missing
     while planned runs are still to come."""
@@ -206,7 +204,7 @@ def plot_primary(spec, arms: dict, results: Path) -> bool:
     return bool(groups) and plot(groups, ["arm"], spec.primary.metric, png)
 
 
-def write_report(spec, name: str, path: Path, results: Path, records: list, plan: dict | None) -> str:
+def write_report(spec, name: str, path: Path, results: Path, records: list, plan: Plan | None) -> str:
     """The report, written into README.md beside the study file below MARKER (text above it is kept)."""
     section = report(spec, name, results, records, plan)
     readme = path.parent / "README.md"
