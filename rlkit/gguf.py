@@ -57,9 +57,10 @@ def require_reader() -> None:
 
 def convert(file: Path, digest: str, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as reader  # its conversion bar, silenced in a log file
 
     print(f"rlkit: converting {file} into a Hugging Face folder at {folder} (once)", file=sys.stderr)
-    with staged(folder, f"the converted model {file.name} (model cache)") as tmp, library_bars_off_terminal():
+    with staged(folder, f"the converted model {file.name} (model cache)") as tmp, library_bars_off_terminal(reader):
         try:
             AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(tmp)
             loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)

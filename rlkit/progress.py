@@ -6,7 +6,7 @@ and a line every 30 s of a long warm start or evaluation. The run's lines also g
 
 from __future__ import annotations
 
-import os
+import functools
 import sys
 import time
 from contextlib import contextmanager
@@ -24,17 +24,18 @@ def on_terminal() -> bool:
 
 
 @contextmanager
-def library_bars_off_terminal():
-    """A library's own tqdm bars (transformers' GGUF conversion) silenced away from a terminal, where
-    their redraws would be one long line in a log file."""
-    if on_terminal() or "TQDM_DISABLE" in os.environ:
+def library_bars_off_terminal(module):
+    """The tqdm bars a library module draws (transformers' GGUF conversion) silenced away from a
+    terminal, where their redraws would be one long line in a log file."""
+    bar = getattr(module, "tqdm", None)
+    if on_terminal() or bar is None:
         yield
         return
-    os.environ["TQDM_DISABLE"] = "1"  # read by every tqdm bar made while it is set
+    module.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
-        del os.environ["TQDM_DISABLE"]
+        module.tqdm = bar
 
 
 def minutes(seconds: float) -> str:
