@@ -4,7 +4,6 @@ from it. The schema itself, each key documented once, is `rlkit.schema`."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import math
@@ -18,7 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 import hydra_plugins.rlkit_sweeper  # noqa: F401  (registers hydra/sweeper=rlkit, which conf/config.yaml chooses)
 from rlkit import schema
 from rlkit.refusals import ConfigError, check_class, require_all
-from rlkit.schema import RLKitConfig
 from rlkit.tasks.base import TaskError
 
 
@@ -118,32 +116,34 @@ def build(cfg: DictConfig, key: str, kind: type | None = None, **runtime) -> Any
         raise ConfigError(f"{key}: {type(cause).__name__}: {cause}") from e
 
 
-def numbers(node, prefix: str = ""):
-    """(dotted key, value) of every number in a resolved config."""
+def nodes(node, key: str = ""):
+    """(dotted key, value) of every node of a resolved config, the containers and their contents."""
+    yield key, node
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     for k, v in items:
-        if isinstance(v, (dict, list)):
-            yield from numbers(v, f"{prefix}{k}.")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            yield f"{prefix}{k}", v
+        yield from nodes(v, f"{key}.{k}" if key else str(k))
 
 
-def stray_targets(node, roots: set[str], prefix: str = "") -> list[str]:
+def numbers(node):
+    """(dotted key, value) of every number in a resolved config."""
+    return ((k, v) for k, v in nodes(node) if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def stray_targets(tree: dict, roots: set[str]) -> list[str]:
     """The dotted keys of every `_target_` in a resolved config that is not at the top of a
     component (`roots`): inside a component's options, a list, or any other key."""
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    here = prefix.rstrip(".")
-    stray = [f"{prefix}_target_"] if isinstance(node, dict) and "_target_" in node and here not in roots else []
-    for k, v in items:
-        stray += stray_targets(v, roots, f"{prefix}{k}.")
-    return stray
+    return [
+        f"{k}._target_" if k else "_target_"
+        for k, v in nodes(tree)
+        if isinstance(v, dict) and "_target_" in v and k not in roots
+    ]
 
 
-def check_targets(cfg: DictConfig) -> None:
+def check_targets(config: dict) -> None:
     """Only a component's own node names a class: a `_target_` anywhere else (a list option such as
-    `environment.preamble`, a component's nested option, a key added with `+`) would be built by the
-    component's constructor call, so it is refused before anything is built."""
-    tree = {k: v for k, v in resolved(cfg).items() if k != "hydra"}
+    `environment.preamble`, a component's nested option, a key added with `+`) in the resolved
+    `config` would be built by the component's constructor call, so it is refused before anything is built."""
+    tree = {k: v for k, v in config.items() if k != "hydra"}
     roots = {*GROUPS, "critic", *(f"reward.functions.{n}" for n in tree.get("reward", {}).get("functions") or {})}
     stray = stray_targets(tree, roots)
     if stray:
@@ -153,31 +153,19 @@ def check_targets(cfg: DictConfig) -> None:
         )
 
 
-def unknown_keys(cfg: DictConfig) -> list[str]:
-    """Keys the schema does not have (added with `+`, which Hydra lets through): at the top level
-    and in the typed sections (rollout, optim, ...). A component's own options are checked against
-    its class when it is built."""
-    fields = {f.name: f for f in dataclasses.fields(RLKitConfig)}
-    out = [k for k in cfg if k not in fields and k != "hydra"]
-    for name, f in fields.items():
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            known = {g.name for g in dataclasses.fields(f.default_factory)}
-            out += [f"{name}.{k}" for k in cfg[name] if k not in known]
-    return out
-
-
 def check_values(cfg: DictConfig) -> None:
     """The config's own numbers and choices, before any component is built: no class named outside
     a component's node, no unknown key, every number of every group finite, then each key's
     range. Every value that fails is named in one refusal."""
-    check_targets(cfg)
-    unknown = unknown_keys(cfg)
+    tree = resolved(cfg)
+    check_targets(tree)
+    unknown = schema.unknown_keys(cfg)
     if unknown:
         raise ConfigError(
             f"unknown key(s) {', '.join(unknown)}: not in rlkit's config (`rlkit-train --help` lists the groups; "
             "each key is documented in rlkit/schema.py); a misspelled key would be ignored, so it is refused"
         )
-    finite = [(math.isfinite(v), f"{key} must be a finite number, got {v}") for key, v in numbers(resolved(cfg))]
+    finite = [(math.isfinite(v), f"{key} must be a finite number, got {v}") for key, v in numbers(tree)]
     ranges = schema.range_checks(cfg) + run_checks(cfg)
     require_all(ranges if all(ok for ok, _ in finite) else finite)  # a non-finite number's range would repeat it
 

@@ -227,9 +227,28 @@ def schema_keys(cls: type = RLKitConfig, prefix: str = ""):
             yield f"{prefix}{f.name}", f
 
 
+def unknown_keys(cfg) -> list[str]:
+    """Keys the schema does not have (added with `+`, which Hydra lets through): at the top level
+    and in the typed sections (rollout, optim, ...). A component's own options are checked against
+    its class when it is built."""
+    leaves = {name for name, _ in schema_keys()}
+    sections = {name.split(".")[0] for name in leaves if "." in name}
+    out = []
+    for k in cfg:
+        if k in sections:
+            out += [f"{k}.{sub}" for sub in cfg[k] if f"{k}.{sub}" not in leaves]
+        elif k not in leaves and k != "hydra":
+            out.append(k)
+    return out
+
+
 def settings():
-    """`schema_keys` less the component groups (typed Any: their options are their classes' arguments)."""
-    return ((name, f) for name, f in schema_keys() if f.type != "Any")
+    """(dotted key, type, default, range or None, description) of every key but the component groups
+    (typed Any: their options are their classes' arguments)."""
+    for name, f in schema_keys():
+        if f.type != "Any":
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            yield name, f.type, default, f.metadata["check"], f.metadata["help"]
 
 
 def range_checks(cfg) -> list[tuple[bool, str]]:
@@ -245,23 +264,19 @@ def range_checks(cfg) -> list[tuple[bool, str]]:
 
 def key_help() -> str:
     """Every key, a line each: `name (type, default; range): description`, for `rlkit-train --help`."""
-    lines = []
-    for name, f in settings():
-        check = f.metadata["check"]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        lines.append(f"{name} ({kind}, default {default!r}{'; ' + str(check) if check else ''}): {f.metadata['help']}")
-    return "\n".join(lines)
+    return "\n".join(
+        f"{name} ({kind}, default {default!r}{'; ' + str(check) if check else ''}): {help}"
+        for name, kind, default, check, help in settings()
+    )
 
 
 def keys_table() -> str:
     """The keys as a markdown table, for the configuration page."""
-    rows = ["| key | default | range | what it is |", "|---|---|---|---|"]
-    for name, f in settings():
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        check = f.metadata["check"]
-        rows.append(f"| `{name}` | `{default!r}` | {check or ''} | {f.metadata['help'].replace('|', 'or')} |")
-    return "\n".join(rows)
+    rows = [
+        f"| `{name}` | `{default!r}` | {check or ''} | {help.replace('|', 'or')} |"
+        for name, _, default, check, help in settings()
+    ]
+    return "\n".join(["| key | default | range | what it is |", "|---|---|---|---|", *rows])
 
 
 # in `rlkit-train --help` (conf/config.yaml), whose template Hydra fills with string.Template: `$` doubled

@@ -221,6 +221,6 @@ def test_the_configuration_page_s_keys_table_is_the_schema_s_and_help_lists_ever
     assert page.split("<!-- keys table: rlkit.schema.keys_table -->\n")[1].split("\n<!-- end")[0] == keys_table()
     out = run_cli(["--help"])
     assert out.returncode == 0, out.stderr[-2000:]
-    for name, f in settings():
-        assert f"\n{name} (" in out.stdout and f.metadata["help"] in out.stdout, name
+    for name, _, _, _, meaning in settings():
+        assert f"\n{name} (" in out.stdout and meaning in out.stdout, name
     assert "optim.lr (float, default 0.0001; > 0): AdamW learning rate of the policy" in out.stdout

@@ -349,16 +349,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
 
 
-def check_arguments(a: argparse.Namespace) -> None:
-    """Every numeric argument in its range and the output folder usable, before any run is read."""
-    problems = []
+def check_arguments(a: argparse.Namespace) -> dict:
+    """Every numeric argument in its range and the output folder usable, before any run is read;
+    returns the equivalence margins ({metric: X})."""
+    problems, margins = [], parse_margins(a.margin, a.metric)
     if not 0 < a.alpha < 1:
         problems.append(f"--alpha must be in (0, 1), got {a.alpha}")
     if a.threshold is not None and not math.isfinite(a.threshold):
         problems.append(f"--threshold must be a finite number, got {a.threshold}")
     if a.smooth < 1:
         problems.append(f"--smooth must be >= 1, got {a.smooth}")
-    for metric, margin in parse_margins(a.margin, a.metric).items():
+    for metric, margin in margins.items():
         if not (math.isfinite(margin) and margin > 0):
             problems.append(f"--margin {metric}={margin:g}: a margin must be a finite number > 0")
     out = output_dir(a)
@@ -366,6 +367,7 @@ def check_arguments(a: argparse.Namespace) -> None:
         problems.append(f"--out {out} is a file; give a directory for compare.md and the plots")
     if problems:
         raise BadArgument("; ".join(problems))
+    return margins
 
 
 def output_dir(a: argparse.Namespace) -> Path:
@@ -374,7 +376,7 @@ def output_dir(a: argparse.Namespace) -> Path:
 
 def write(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """The table, the differences and the plots of `main`'s arguments, into compare.md."""
-    check_arguments(a)
+    margins = check_arguments(a)
     runs = selected_runs(p, a)
     groups = group_runs(runs, a.by)
     out = output_dir(a)
@@ -382,7 +384,7 @@ def write(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     md = table(groups, a.by, a.metric, a.threshold, set(a.lower), a.aggregate)
     if a.baseline:
         md += f"\nAgainst {a.baseline}:\n\n" + differences(
-            groups, a.by, a.metric, a.baseline, set(a.lower), a.aggregate, parse_margins(a.margin, a.metric), a.alpha
+            groups, a.by, a.metric, a.baseline, set(a.lower), a.aggregate, margins, a.alpha
         )
     images = []
     for m in a.metric:

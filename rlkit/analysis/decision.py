@@ -13,7 +13,7 @@ from rlkit.analysis.compare import fmt
 from rlkit.analysis.runs import WITHDRAWN, aggregate, aggregate_name
 from rlkit.analysis.stats import mean_ci
 from rlkit.analysis.study import SAMPLED, START, learner, learning_margin, treatments
-from rlkit.analysis.values import Analysis, Bound, Gate, Plan, Verdict, gate
+from rlkit.analysis.values import Analysis, Bound, Gate, Plan, Reason, Verdict, gate
 
 MIN_PAIRS = 3  # fewer pairs give no verdict
 
@@ -35,10 +35,10 @@ def start_gate(spec, arms: dict) -> Gate:
     from its own policy (a warm start per seed: its values differ). It fails when one policy was
     sampled with one eval.seed at every seed: one measurement, held. Not declared when the baseline
     is an arm or the metric is greedy (the same model scored the same way)."""
-    reason = (
-        "the starting policy was measured once: every run drew its sampled evaluation from one eval.seed, so "
-        "the start is one measurement held at every seed and its sampling error is missing from the test (rerun the "
-        "arms with eval.seed_per_run=true)"
+    reason = Reason(
+        "the starting policy was measured once: every run drew its sampled evaluation from one eval.seed",
+        ", so the start is one measurement held at every seed and its sampling error is missing from the test "
+        "(rerun the arms with eval.seed_per_run=true)",
     )
     metric = spec.primary.metric
     if spec.baseline != START or not metric.startswith(SAMPLED):
@@ -66,7 +66,7 @@ def learning_gate(spec, arms: dict) -> Gate:
     """Whether the baseline learned: its mean learning aggregate exceeds the learning margin
     (`learning_margin`) with its whole interval (every run gaining the same amount: that amount);
     a line for it and for each control arm against it."""
-    reason = "the baseline did not learn by the learning margin, so the testbed cannot show the claim"
+    reason = Reason("the baseline did not learn by the learning margin", ", so the testbed cannot show the claim")
     L = spec.learning
     if L is None:
         return gate(None, reason)
@@ -92,7 +92,7 @@ def learning_gate(spec, arms: dict) -> Gate:
 def sensitivity_gate(spec, values: dict) -> Gate:
     """Whether the positive control moved the primary metric (its per-run values `values`) away from
     the baseline in its direction, significantly and by at least the smallest effect."""
-    reason = (
+    reason = Reason(
         "the positive control did not move the primary metric by the smallest effect: the testbed cannot see this "
         "mechanism"
     )
@@ -117,7 +117,7 @@ def sensitivity_gate(spec, values: dict) -> Gate:
 
 def premises_gate(spec, arms: dict) -> Gate:
     """Whether every premise held (its arm's mean aggregate within its bound)."""
-    reason = "a premise of the claim did not hold on this testbed (see Premises)"
+    reason = Reason("a premise of the claim did not hold on this testbed", " (see Premises)")
     if not spec.premises:
         return gate(None, reason, ["no premise declared"])
     held, lines = True, []
@@ -136,7 +136,7 @@ def premises_gate(spec, arms: dict) -> Gate:
 def engagement_gates(spec, arms: dict, tested: list[str]) -> tuple[dict[str, Gate], list[str]]:
     """{treatment: its engagement gate} and a line per checked arm (each treatment, or the one
     declared arm, whose result then holds for every treatment)."""
-    reason = "the engagement check failed: the treatment did not act enough to test the claim"
+    reason = Reason("the engagement check failed: the treatment did not act enough to test the claim")
     e = spec.engagement
     if e is None:
         return {arm: gate(None, reason) for arm in tested}, ["no engagement check declared"]
@@ -160,7 +160,7 @@ def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict[str
     (the first in order that failed gives the reason)."""
     failed = next((g for g in gates.values() if g.failed), None)
     if failed is not None:
-        return Verdict("not tested", failed.reason, failed.short)
+        return Verdict("not tested", failed.reason.text, failed.reason.short)
     if d.n < MIN_PAIRS:
         why = f"only {d.n} paired runs (a verdict needs at least {MIN_PAIRS})"
         return Verdict("inconclusive", why, why)

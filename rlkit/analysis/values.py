@@ -42,12 +42,24 @@ class Bound:
 
 
 @dataclass(frozen=True)
+class Reason:
+    """Why a gate stops a verdict: its first clause (`short`, what a table shows) and the rest."""
+
+    short: str
+    rest: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.short + self.rest
+
+
+@dataclass(frozen=True)
 class Gate:
     """One gate of a verdict: passed, failed or not declared; `reason` is why no verdict is given
-    when it fails (its first clause, `short`, for tables); `lines` report what it measured."""
+    when it fails; `lines` report what it measured."""
 
     state: State
-    reason: str = ""
+    reason: Reason
     lines: tuple[str, ...] = ()
 
     @property
@@ -58,12 +70,8 @@ class Gate:
     def declared(self) -> bool:
         return self.state is not State.UNDECLARED
 
-    @property
-    def short(self) -> str:
-        return self.reason.split(",")[0].split(";")[0].split(" (")[0]
 
-
-def gate(passed: bool | None, reason: str, lines: list[str] | tuple = ()) -> Gate:
+def gate(passed: bool | None, reason: Reason, lines: list[str] | tuple = ()) -> Gate:
     """A gate from its check's outcome: True passed, False failed, None not declared."""
     state = State.UNDECLARED if passed is None else State.PASSED if passed else State.FAILED
     return Gate(state, reason, tuple(lines))
