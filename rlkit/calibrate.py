@@ -79,7 +79,7 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
         torch.set_num_threads(cfg.threads)
     environment = checked_environment(cfg)
     check_episodes(cfg, environment)
-    task, _, policy, tokenizer, _ = build_task_and_model(cfg, None, torch.device("cpu"), environment.preamble)
+    task, _, policy, tokenizer, _ = build_task_and_model(cfg, None, torch.device("cpu"), environment)
     seed_everything(cfg.seed)
     engine = build(cfg, "engine", Engine, policy=policy.eval(), tokenizer=tokenizer)
     rows = getattr(task, split).to_list()[: prompts or None]

@@ -131,7 +131,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_task_and_model(cfg: DictConfig, stop, device: torch.device, preamble: tuple, world: int = 1) -> tuple:
+def build_task_and_model(cfg: DictConfig, stop, device: torch.device, environment, world: int = 1) -> tuple:
     """The task, the model component, the warm-started policy (on the CPU) and its tokenizer; every
     prompt checked against the tokenizer and the context, and the rollout's size against the memory
     of `device` (each of `world` processes holding its share); each prompt after the environment's
@@ -142,7 +142,7 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, preamble: 
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
     model = build(cfg, "model", Model)
     policy, tokenizer = model.build(task.alphabet, init_seed)
-    format_prompts(task, model, tokenizer, preamble)
+    format_prompts(task, model, tokenizer, environment.preamble)
     splits = {"train": task.train, "eval": task.eval}
     check_encodable(tokenizer, splits)
     check_context(tokenizer, policy, splits, cfg.rollout.max_new_tokens, "rollout.max_new_tokens")
@@ -184,9 +184,7 @@ def format_prompts(task: Task, model: Model, tokenizer, preamble: tuple) -> None
 
 def build_parts(cfg: DictConfig, c: Validated, device: torch.device, stop) -> tuple[Parts, dict]:
     """Everything the loop uses, built once; returns the parts and the warm start's info."""
-    task, model, policy, tokenizer, warm = build_task_and_model(
-        cfg, stop, device, c.environment.preamble, c.parallel.world
-    )
+    task, model, policy, tokenizer, warm = build_task_and_model(cfg, stop, device, c.environment, c.parallel.world)
     policy.to(device)
     ref = model.reference(policy) if c.loss.beta > 0 else None
     # wrapped after the reference copy and before the optimizer, which then holds what this process owns
