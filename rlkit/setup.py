@@ -38,7 +38,7 @@ from rlkit.config import build, check_values, chosen, resolved, target_class
 from rlkit.environments import Checked
 from rlkit.evaluate import timed_eval
 from rlkit.guards import NonFiniteGuard
-from rlkit.hardware import hardware
+from rlkit.hardware import hardware, keep_freed_memory
 from rlkit.preflight import check_context, check_encodable, check_rollout_memory
 from rlkit.refusals import check, require
 from rlkit.sinks import NullLogger
@@ -258,6 +258,7 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
         atomic.check_writable(cfg.warm_start.cache_dir, "warm_start.cache_dir")
     if cfg.threads or run_info.get("threads"):
         torch.set_num_threads(cfg.threads or run_info["threads"])
+    keep_freed_memory()
     rank = c.parallel.rank
     device = torch.device(parallel.local_device(cfg.device))
     built = time.perf_counter()

@@ -9,7 +9,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rlkit.engines.decoders import decoder
-from rlkit.engines.kv_cache import _sample, encode_prompts, generate
+from rlkit.engines.kv_cache import encode_prompts, generate
+from rlkit.engines.sampling import sample as _sample
 from rlkit.llama import LlamaDecoder, applied_weight, causal_parts
 from rlkit.logprobs import pack, token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2

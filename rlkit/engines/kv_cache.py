@@ -9,6 +9,7 @@ import torch
 from rlkit import parallel
 from rlkit.components import Engine
 from rlkit.engines.decoders import HFForward, decoder
+from rlkit.engines.sampling import sample
 from rlkit.engines.turns import Turns
 from rlkit.types import Episodes, Generation
 
@@ -61,24 +62,6 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
     return enc["input_ids"], enc["attention_mask"]  # [n, Tp] each
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), restricted to the top-p nucleus: one
-    uniform draw per row placed on the running sum of the probabilities (inverse CDF), summed in
-    float64 so that a tail token's share is kept to its last digits over a 50k vocabulary."""
-    if temperature == 0:
-        return logits.argmax(-1)  # [N]
-    probs = torch.softmax(logits / temperature, -1)  # [N, V]
-    order = None
-    if top_p < 1.0:
-        probs, order = probs.sort(-1, descending=True)  # [N, V] each
-        drop = probs.cumsum(-1) - probs > top_p  # [N, V] keep the smallest prefix with mass >= top_p
-        probs = probs.masked_fill(drop, 0.0)
-    cdf = probs.double().cumsum(-1)  # [N, V]
-    u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [N, 1] in [0, total)
-    tok = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)  # [N, 1] first entry past u
-    return (tok if order is None else order.gather(-1, tok)).squeeze(-1)  # [N]
-
-
 def prefill(model, tokenizer, prompts: list[str], max_new_tokens: int, fast: bool = True):
     """The decoder after its prefill: each distinct prompt is prefilled once and its KV cache copied
     to its rows.  -> decoder, logits [N, V], prompt_ids [N, Tp], prompt_mask [N, Tp]"""
@@ -123,7 +106,7 @@ def generate(
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
-        tok = torch.where(fin, pad, _sample(logits, temperature, top_p))  # [n]
+        tok = torch.where(fin, pad, sample(logits, temperature, top_p))  # [n]
         if turns is not None:
             tok = turns.force(t, rows, tok, fin)  # [n] the environment's queued tokens replace samples
         out.record(t, rows, tok, fin, logits, temperature)
