@@ -165,6 +165,26 @@ def fused(*linears):
     return lambda x: torch.cat([m(x) for m in linears], -1)
 
 
+def shared_prefix_layout(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts laid out for a prefill that computes their common prefix once: the
+    longest run of first tokens that every row shares (leaving each row at least one token of its
+    own; none for a single row) moved to columns 0..L-1, the padding after it, each row's own tokens
+    where they were. Position ids from the mask stay each token's position in its prompt.
+    [N, Tp] each -> L, ids [N, Tp], mask [N, Tp] (bool)"""
+    N, Tp = ids.shape
+    lens = mask.sum(-1)  # [N]
+    pads = (Tp - lens)[:, None]  # [N, 1]
+    col = torch.arange(Tp, device=ids.device)[None]  # [1, Tp]
+    aligned = ids.gather(1, (col + pads).clamp(max=Tp - 1))  # [N, Tp] each row's tokens from column 0
+    same = ((aligned == aligned[:1]) | (col >= lens[:, None])).all(0)  # [Tp] columns where all rows agree
+    L = 0 if N < 2 else min(int(same.long().cumprod(0).sum()), int(lens.min()) - 1)
+    if L < 1:
+        return 0, ids, mask.bool()
+    moved = (col < L) | (col >= L + pads)  # [N, Tp] the new mask
+    ids = torch.where(col < L, aligned[:1], torch.where(moved, ids, ids[:, :1]))  # [N, Tp] padding: any token
+    return L, ids, moved
+
+
 class LlamaDecoder:
     """Llama-family decoding with pre-allocated KV buffers [n, kv_heads, Tmax, head_dim] per layer."""
 
@@ -184,18 +204,19 @@ class LlamaDecoder:
         N, Tp = prompt_ids.shape
         Tmax = Tp + max_new_tokens
         dev, dt = prompt_ids.device, self.body.embed_tokens.weight.dtype
-        self.ids = prompt_ids
         pos = torch.arange(Tmax, device=dev)[None]  # [1, Tmax]
         self.cos, self.sin = self.body.rotary_emb(torch.zeros(1, device=dev, dtype=dt), pos)  # [1, Tmax, hd] each
         self.k = [torch.empty(N, self.kv_heads, Tmax, self.hd, device=dev, dtype=dt) for _ in self.layers]
         self.v = [torch.empty_like(k) for k in self.k]
+        self.shared, self.ids, prompt_mask = shared_prefix_layout(prompt_ids, prompt_mask)  # [N, Tp] each
         self.mask = torch.ones(N, Tmax, dtype=torch.bool, device=dev)  # [N, Tmax] key positions a row attends
-        self.mask[:, :Tp] = prompt_mask.bool()
-        self.pos = positions(prompt_mask)  # [N, Tp]
+        self.mask[:, :Tp] = prompt_mask
+        self.pos = positions(prompt_mask.long())  # [N, Tp]
         self.len = Tp
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-        """ids, pos [n, s] at cache columns len-s..len-1; attn_mask [n, 1, s, len]. -> last position's hidden [n, H]"""
+        """ids, pos [n, s] at cache columns len-s..len-1; attn_mask [n, 1, s, len]. With n = 1 the keys
+        and values are written to every row (a prefix they share).  -> last position's hidden [n, H]"""
         n, s = ids.shape
         x = self.body.embed_tokens(ids)  # [n, s, H]
         cos, sin = self.cos[0, pos], self.sin[0, pos]  # [n, s, hd]
@@ -212,8 +233,8 @@ class LlamaDecoder:
             self.v[i][:, :, lo : self.len] = h[..., k_end:].view(n, s, self.kv_heads, self.hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q,
-                self.k[i][:, :, : self.len],
-                self.v[i][:, :, : self.len],
+                self.k[i][:n, :, : self.len],  # n = 1 for the shared prefix, whose keys every row holds
+                self.v[i][:n, :, : self.len],
                 attn_mask=attn_mask,
                 scale=a.scaling,
                 enable_gqa=True,
@@ -224,11 +245,17 @@ class LlamaDecoder:
         return norm(self.body.norm, x[:, -1])  # [n, H]
 
     def prefill(self) -> torch.Tensor:
-        Tp = self.len
-        causal = torch.ones(Tp, Tp, dtype=torch.bool, device=self.ids.device).tril()  # [Tp, Tp]
-        eye = torch.eye(Tp, dtype=torch.bool, device=self.ids.device)  # a padding query sees itself (no empty rows)
-        attn = (causal & self.mask[:, None, :Tp]) | eye  # [N, Tp, Tp]
-        h = self._forward(self.ids, self.pos, attn[:, None])  # [N, H]
+        """The prompts' keys and values: the prefix all rows share computed once (one row, written
+        to every row), then each row's rest.  -> the last position's logits [N, V]"""
+        Tp, L, dev = self.len, self.shared, self.ids.device
+        causal = torch.ones(Tp, Tp, dtype=torch.bool, device=dev).tril()  # [Tp, Tp]
+        if L:
+            self.len = L
+            self._forward(self.ids[:1, :L], self.pos[:1, :L], causal[None, None, :L, :L])
+            self.len = Tp
+        eye = torch.eye(Tp, dtype=torch.bool, device=dev)[L:]  # a padding query sees itself (no empty rows)
+        attn = (causal[L:] & self.mask[:, None, :Tp]) | eye  # [N, Tp - L, Tp]
+        h = self._forward(self.ids[:, L:], self.pos[:, L:], attn[:, None])  # [N, H]
         self.pos = self.pos[:, -1]  # [N]
         return self.lm_head(h).float()  # [N, V]
 

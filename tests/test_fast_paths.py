@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import encode_prompts, generate
 from rlkit.engines.sampling import sample as _sample
-from rlkit.llama import LlamaDecoder, applied_weight, causal_parts
+from rlkit.llama import LlamaDecoder, applied_weight, causal_parts, shared_prefix_layout
 from rlkit.logprobs import pack, token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
 from rlkit.tasks.arithmetic import ALPHABET
@@ -91,6 +91,64 @@ def test_llama_and_generic_decoders_sample_the_same_tokens_from_the_same_seed():
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.equal(runs[0].completion_mask, runs[1].completion_mask)
     assert runs[0].completion_mask.sum(-1).unique().numel() > 2  # rows finished at different steps and left
+
+
+def test_the_prefix_every_prompt_shares_moves_to_the_front_and_keeps_its_positions():
+    ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9], [0, 5, 6, 8, 8]])  # [3, 5] left-padded with 0
+    mask = (ids != 0).long()
+    L, laid, moved = shared_prefix_layout(ids, mask)
+    assert L == 2  # "5 6" is every row's start; "5 6 7" would leave row 0 nothing of its own
+    assert moved.tolist() == [[1, 1, 0, 0, 1], [1, 1, 1, 1, 1], [1, 1, 0, 1, 1]]
+    assert laid[moved.bool()].tolist() == [5, 6, 7, 5, 6, 7, 8, 9, 5, 6, 8, 8]
+    assert positions(moved.long())[moved.bool()].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert shared_prefix_layout(ids[:1], mask[:1])[0] == 0  # one row: nothing to share
+    assert shared_prefix_layout(torch.tensor([[5, 6], [7, 6]]), torch.ones(2, 2, dtype=torch.long))[0] == 0
+
+
+def test_prompts_with_a_common_prefix_decode_what_model_generate_does():
+    """The shared prefix is prefilled once (one row, its keys copied to all) and greedy tokens stay
+    `model.generate`'s, for prompts of several lengths under left padding."""
+    model, tok = tiny_qwen2()
+    prompts = ["12+34+5=", "12+34+56+7=", "12+3=", "12+34+5+6+7+8=", "12+34="]
+    for name, m in {"qwen2": model, **other_models(tok)}.items():
+        if name == "gpt2":
+            continue
+        assert decoder(m, *encode_prompts(tok, prompts), 4).shared == 4, name  # BOS and "12+" (row "12+3=" keeps "3=")
+        want = reference_greedy(m, tok, prompts, 12)
+        g = generate(m, tok, prompts, 12, temperature=0)
+        got = g.completion_ids.masked_fill(g.completion_mask == 0, tok.pad_token_id)  # [N, T]
+        assert torch.equal(got, want.masked_fill(got == tok.pad_token_id, tok.pad_token_id)), name
+
+
+def whole_row_sample(logits, temperature, top_p, u):
+    """The sampler's formula over the whole vocabulary: a full sort for top-p, one float64 running sum."""
+    probs = torch.softmax(logits / temperature, -1)  # [N, V]
+    order = torch.arange(probs.shape[-1]).expand_as(probs)  # [N, V]
+    if top_p < 1.0:
+        probs, order = probs.sort(-1, descending=True)  # [N, V] each
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p, 0.0)
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    tok = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)  # [N, 1]
+    return order.gather(-1, tok).squeeze(-1)  # [N]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([0.3, 1.0, 3.0, 8.0]),
+    st.sampled_from([1.0, 0.7]),
+    st.sampled_from([0.5, 0.9, 0.99, 1.0]),
+)
+def test_the_two_level_sampler_draws_the_token_of_one_running_sum_over_the_whole_vocabulary(seed, spread, temp, top_p):
+    """Block totals then a running sum inside one block, and a nucleus found among the top k, give
+    the token of the plain formula (sort, one running sum) for the same uniforms, over SmolLM2's
+    vocabulary size, from flat to peaked distributions."""
+    g = torch.Generator().manual_seed(seed)
+    V = 49152
+    ranks = torch.stack([torch.randperm(V, generator=g) for _ in range(8)]).float()  # [N, V]
+    logits = spread * (4 * ranks / V - 2)  # [N, V] no two probabilities equal (a tie may sort either way)
+    u = torch.rand(8, dtype=torch.float64, generator=g)  # [N]
+    assert torch.equal(_sample(logits, temp, top_p, u), whole_row_sample(logits, temp, top_p, u))
 
 
 def test_sampling_draws_from_the_softmax():
