@@ -86,7 +86,8 @@ def calibrate(cfg: DictConfig, split: str, n: int, prompts: int) -> dict:
     rollout, budget = cfg.rollout, cfg.rollout.max_new_tokens
     with torch.no_grad():
         greedy = answers(engine.latest(), tokenizer, task, rows, cfg.eval.batch_size, budget, environment=environment)
-        how = Sampling(cfg.eval.batch_size, budget, rollout.temperature, rollout.top_p, eval_seed(cfg), environment)
+        drawn = rollout.temperature, rollout.top_p, eval_seed(cfg), environment, rollout.coupled
+        how = Sampling(cfg.eval.batch_size, budget, *drawn)
         sampled = sampled_answers(engine.latest(), tokenizer, task, rows, n, how)
     present = presence(task, [r for r in rows for _ in range(n)], sampled.texts)  # [E * n]
     d = difficulties(rows)

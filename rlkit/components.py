@@ -126,7 +126,9 @@ class Engine(Protocol):
     weights it samples with and the trainer's (None: it does not lag). An engine that runs
     multi-turn episodes says `multi_turn = True` (optional; absent: False): its `generate` then also
     takes `episodes` (one per prompt) and runs them turn by turn, `max_new_tokens` the budget of the
-    whole trajectory, the environment's tokens included."""
+    whole trajectory, the environment's tokens included. An engine that takes `draws`
+    (`rlkit.draws.RowDraws`: each row's uniform at each token position) samples with them instead of
+    torch's generator; `rollout.coupled=true` needs it."""
 
     exact_logprobs: bool = True
     lag: int | None = None

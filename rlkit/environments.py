@@ -38,11 +38,13 @@ def episodes(env: Environment, rows: list[dict]) -> Episodes | None:
     return Episodes([env.start(r) for r in rows], env.max_turns, tuple(env.stop_strings))
 
 
-def generate(engine, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float, ep: Episodes | None):
-    """The engine's generation: the single-turn call every engine takes, or a multi-turn one with `ep`."""
-    if ep is None:
-        return engine.generate(prompts, max_new_tokens, temperature, top_p)
-    return engine.generate(prompts, max_new_tokens, temperature, top_p, episodes=ep)
+def generate(
+    engine, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float, ep: Episodes | None, draws=None
+):
+    """The engine's generation: the single-turn call every engine takes, with `episodes` for a
+    multi-turn one and `draws` (`rlkit.draws.RowDraws`) for keyed uniforms, each passed only when set."""
+    extra = {k: v for k, v in (("episodes", ep), ("draws", draws)) if v is not None}
+    return engine.generate(prompts, max_new_tokens, temperature, top_p, **extra)
 
 
 def turn_rewards(each: list) -> torch.Tensor | None:

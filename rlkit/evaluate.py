@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from rlkit import progress
+from rlkit.draws import RowDraws
 from rlkit.environments import episodes, generate
 from rlkit.logprobs import demonstration_batch, token_logprobs
 from rlkit.metrics import by_difficulty, feature_metrics, hardest_third
@@ -37,15 +38,20 @@ def answers(
     temperature: float = 0.0,
     top_p: float = 1.0,
     environment=None,
+    keyed: int | None = None,
+    n: int = 1,
 ) -> Answers:
     """Each row's completion (with a multi-turn `environment`, its whole episode), scored by the
-    task's reward."""
+    task's reward. `keyed`: a seed that keys each row's uniforms by its prompt and its index among
+    the `n` contiguous rows of that prompt."""
     correct, lengths, truncated, every, played = [], [], [], [], []
     batches = range(0, len(rows_all), batch_size)
     for start in progress.steps(batches, "rlkit: evaluation, prompt batches", len(batches)):
         rows = rows_all[start : start + batch_size]
         ep = None if environment is None else episodes(environment, rows)
-        gen = generate(engine, [r["prompt"] for r in rows], max_new_tokens, temperature, top_p, ep)
+        prompts, index = [r["prompt"] for r in rows], [i % n for i in range(start, start + len(rows))]
+        draws = None if keyed is None else RowDraws(keyed, "eval", (), prompts, index)
+        gen = generate(engine, prompts, max_new_tokens, temperature, top_p, ep, draws)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         correct.append(task.score(rows, texts) > 0)  # [n]
         lengths.append(gen.completion_mask.sum(-1).float())  # [n]
@@ -92,6 +98,7 @@ def evaluate(
     pass_k=(),
     policy=None,
     environment=None,
+    coupled: bool = False,
 ) -> dict:
     """Greedy accuracy, the share of answers that hold the right answer anywhere (`eval/present`,
     the task's lenient score) and mean completion length (tokens) of correct and incorrect answers;
@@ -102,13 +109,14 @@ def evaluate(
     (`_d<k>`) and over the hardest third of levels (`_hard`).
     With the `policy`, also its entropy on a fixed probe set (`probe_entropy`); with a multi-turn
     `environment`, each answer is an episode and the environment's metrics of the greedy episodes
-    come too (`eval/tool_use`, ...)."""
+    come too (`eval/tool_use`, ...). `coupled`: each sample's uniforms keyed by the seed, its
+    prompt and its index among the prompt's n (`rlkit.draws`), whatever the batch."""
     rows_all = task.eval.to_list()
     greedy = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens, environment=environment)
     out = greedy_metrics(task, rows_all, greedy, environment)
     out.update(probe_entropy(policy, tokenizer, task, batch_size))
     if samples:
-        how = Sampling(batch_size, max_new_tokens, temperature, top_p, seed, environment)
+        how = Sampling(batch_size, max_new_tokens, temperature, top_p, seed, environment, coupled)
         out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, how, pass_k))
     return out
 
@@ -145,8 +153,8 @@ def pass_at_k(n: int, correct: torch.Tensor, k: int) -> torch.Tensor:
 
 class Sampling(NamedTuple):
     """How sampled answers are drawn: in batches of `batch_size`, `max_new_tokens` each, at
-    `temperature` and `top_p`, from the generator state `seed`, as `environment`'s episodes (None:
-    single-turn)."""
+    `temperature` and `top_p`, from the generator state `seed` (`coupled`: from uniforms keyed by
+    it, `rlkit.draws`), as `environment`'s episodes (None: single-turn)."""
 
     batch_size: int
     max_new_tokens: int
@@ -154,6 +162,7 @@ class Sampling(NamedTuple):
     top_p: float
     seed: int
     environment: object = None
+    coupled: bool = False
 
 
 def sampled_accuracy(engine, tokenizer, task, rows: list[dict], n: int, how: Sampling, pass_k=()) -> dict:
@@ -175,9 +184,10 @@ def sampled_accuracy(engine, tokenizer, task, rows: list[dict], n: int, how: Sam
 def sampled_answers(engine, tokenizer, task, rows: list[dict], n: int, how: Sampling) -> Answers:
     """n completions per prompt sampled as `how` says, each prompt's n together (E * n rows)."""
     repeated = [r for r in rows for _ in range(n)]
+    keyed = how.seed if how.coupled else None
     with torch.random.fork_rng():
         torch.manual_seed(how.seed)
-        return answers(engine, tokenizer, task, repeated, *how[:4], environment=how.environment)
+        return answers(engine, tokenizer, task, repeated, *how[:4], environment=how.environment, keyed=keyed, n=n)
 
 
 def held_out(run) -> dict:

@@ -14,6 +14,7 @@ import torch
 
 from rlkit import parallel
 from rlkit.critic import explained_variance
+from rlkit.draws import RowDraws
 from rlkit.environments import episodes, generate, turn_rewards
 from rlkit.evaluate import timed_eval
 from rlkit.guards import checked_advantages
@@ -49,8 +50,13 @@ def make_rollout(run: Run, rows: list[dict]) -> Rollout:
     G, timeout, mine = s.group_size, s.score_timeout_s, parallel.shard(rows, rt.rank, rt.parallel.world)
     rows = [row for row in mine for _ in range(G)]  # N rows, groups contiguous
     ep = episodes(parts.environment, rows)  # one multi-turn episode per row, run by the engine; None: single-turn
+    prompts = [r["prompt"] for r in rows]
+    draws = None
+    if s.coupled is not None:  # keyed uniforms: this step, the sampler's k-th request in it
+        draws = RowDraws.of_groups(s.coupled, "rollout", (rt.step, rt.requests), prompts, G)
+        rt.requests += 1
     with rt.timer("generate"):
-        gen = generate(parts.engine, [r["prompt"] for r in rows], s.max_new_tokens, s.temperature, s.top_p, ep)
+        gen = generate(parts.engine, prompts, s.max_new_tokens, s.temperature, s.top_p, ep, draws)
     extra = turn_rewards(ep.each) if ep is not None else None  # [N] the environment's per-turn terms
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
@@ -216,6 +222,7 @@ def step(run: Run, n: int) -> StepResult:
     kept), the update's statistics and the step's metrics; `report` evaluates and logs them."""
     rt = run.runtime
     rt.timer.clear()
+    rt.step, rt.requests = n, 0
     with rt.timer("step"):
         rollout, metrics = collect(run)
         kept = parallel.any_rank(rollout.num_rows > 0)  # dynamic sampling may keep nothing

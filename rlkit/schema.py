@@ -74,6 +74,11 @@ class RolloutConfig:
     max_new_tokens: int = key(24, "generation budget per completion", AT_LEAST_1)
     temperature: float = key(1.0, "sampling temperature (log-probs use the same temperature)", ABOVE_0)
     top_p: float = key(1.0, "nucleus sampling mass", Range(0, 1, low_open=True))
+    coupled: bool = key(
+        False,
+        "true: each sampled token's uniform keyed by (seed, step, prompt, index in group, position), so arms at one "
+        "seed sample alike where their policies agree",
+    )
 
 
 @dataclass

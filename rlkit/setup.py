@@ -5,6 +5,7 @@ a warm start, resume and the first evaluation. `setup` returns the `Run` the loo
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import random
@@ -263,6 +264,10 @@ def setup(cfg: DictConfig, run_dir: str, run_info: dict, validated: Validated | 
     device = torch.device(parallel.local_device(cfg.device))
     built = time.perf_counter()
     parts, warm = build_parts(cfg, c, device, stop)
+    require(
+        not cfg.rollout.coupled or "draws" in inspect.signature(parts.engine.generate).parameters,
+        f"rollout.coupled=true: engine {type(parts.engine).__name__}.generate takes no `draws` (keyed uniforms)",
+    )
     built = time.perf_counter() - built
     seed_everything(cfg.seed + rank)  # ranks sample differently; rank 0 as a single process would
     runtime = Runtime(run_dir, device, c.parallel, guard=NonFiniteGuard(cfg.optim.max_nonfinite))

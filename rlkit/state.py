@@ -92,6 +92,7 @@ class Settings:
     samples_every: int
     evaluation: dict  # `evaluate`'s options
     old_logprobs: bool  # the old log-probs need a forward of their own (see `of`)
+    coupled: int | None  # the seed that keys each sampled token's uniform (`rollout.coupled`), else None
 
     @classmethod
     def of(cls, cfg: DictConfig, parts: Parts) -> Settings:
@@ -126,8 +127,10 @@ class Settings:
                 top_p=rollout.top_p,
                 seed=eval_seed(cfg),
                 pass_k=tuple(held_out.pass_k),
+                coupled=rollout.coupled,
             ),
             old_logprobs=reused or loss.kl_in_reward or loss.selects_tokens or not parts.engine.exact_logprobs,
+            coupled=cfg.seed if rollout.coupled else None,
         )
 
 
@@ -155,6 +158,8 @@ class Runtime:
     timer: Timer = field(default_factory=Timer)
     t0: float = field(default_factory=time.perf_counter)  # this session's start
     spent: dict = field(default_factory=dict)  # this session's seconds by what they went to (build, eval, ...)
+    step: int = 0  # the step being taken
+    requests: int = 0  # rollouts the sampler has asked for in this step (keys of coupled draws)
 
     def spend(self, what: str, seconds: float) -> None:
         self.spent[what] = self.spent.get(what, 0.0) + seconds

@@ -8,6 +8,7 @@ import torch
 
 from rlkit import parallel
 from rlkit.components import Engine
+from rlkit.draws import RowDraws
 from rlkit.engines.decoders import HFForward, decoder
 from rlkit.engines.sampling import sample
 from rlkit.engines.turns import Turns
@@ -35,6 +36,7 @@ class KVCache(Engine):
         temperature: float = 1.0,
         top_p: float = 1.0,
         episodes: Episodes | None = None,
+        draws: RowDraws | None = None,
     ) -> Generation:
         was_training = self.policy.training
         self.policy.eval()
@@ -49,6 +51,7 @@ class KVCache(Engine):
                     top_p,
                     self.min_new_tokens,
                     episodes=episodes,
+                    draws=draws,
                 )
         finally:
             self.policy.train(was_training)
@@ -90,13 +93,15 @@ def generate(
     fast: bool = True,
     logprobs: bool = False,
     episodes: Episodes | None = None,
+    draws: RowDraws | None = None,
 ) -> Generation:
     """Sample one completion per prompt with a KV cache (a repeated prompt is prefilled once and its
     cache copied to its rows); each row stops at its EOS (never before `min_new_tokens`) and leaves
     the batch once an eighth of the rows present have finished. temperature 0 is greedy. `fast=False`
     forces the model's own forward (`decoders.HFForward`). `logprobs`: also each sampled token's
     log-prob under softmax(logits / temperature), which the trainer's log-probs measure (no top-p).
-    `episodes`: one multi-turn episode per prompt (`turns.Turns`) in a budget of `max_new_tokens`."""
+    `episodes`: one multi-turn episode per prompt (`turns.Turns`) in a budget of `max_new_tokens`.
+    `draws`: each row's uniforms by its key (`rlkit.draws`) instead of torch's generator."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, fast)  # [N, V], [N, Tp]
     out = Sampled(prompt_ids, max_new_tokens, pad, logprobs)
@@ -106,7 +111,8 @@ def generate(
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
-        tok = torch.where(fin, pad, sample(logits, temperature, top_p))  # [n]
+        u = None if draws is None else draws.at(rows, t)  # [n] the rows' own uniforms
+        tok = torch.where(fin, pad, sample(logits, temperature, top_p, u))  # [n]
         if turns is not None:
             tok = turns.force(t, rows, tok, fin)  # [n] the environment's queued tokens replace samples
         out.record(t, rows, tok, fin, logits, temperature)

@@ -63,6 +63,7 @@ class OffPolicy(KVCache):
         temperature: float = 1.0,
         top_p: float = 1.0,
         episodes: Episodes | None = None,
+        draws=None,
     ) -> Generation:
         return generate(
             self.copy,
@@ -74,6 +75,7 @@ class OffPolicy(KVCache):
             self.min_new_tokens,
             logprobs=temperature > 0,
             episodes=episodes,
+            draws=draws,
         )
 
     def load_weights(self, policy: torch.nn.Module) -> None:
