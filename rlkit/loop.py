@@ -51,10 +51,7 @@ def make_rollout(run: Run, rows: list[dict]) -> Rollout:
     rows = [row for row in mine for _ in range(G)]  # N rows, groups contiguous
     ep = episodes(parts.environment, rows)  # one multi-turn episode per row, run by the engine; None: single-turn
     prompts = [r["prompt"] for r in rows]
-    draws = None
-    if s.coupled is not None:  # keyed uniforms: this step, the sampler's k-th request in it
-        draws = RowDraws.of_groups(s.coupled, "rollout", (rt.step, rt.requests), prompts, G)
-        rt.requests += 1
+    draws = None if s.coupled is None else RowDraws.of_groups(s.coupled, "rollout", rt.request(), prompts, G)
     with rt.timer("generate"):
         gen = generate(parts.engine, prompts, s.max_new_tokens, s.temperature, s.top_p, ep, draws)
     extra = turn_rewards(ep.each) if ep is not None else None  # [N] the environment's per-turn terms
@@ -222,7 +219,7 @@ def step(run: Run, n: int) -> StepResult:
     kept), the update's statistics and the step's metrics; `report` evaluates and logs them."""
     rt = run.runtime
     rt.timer.clear()
-    rt.step, rt.requests = n, 0
+    rt.step, rt.requests = n, 0  # the keys of coupled draws
     with rt.timer("step"):
         rollout, metrics = collect(run)
         kept = parallel.any_rank(rollout.num_rows > 0)  # dynamic sampling may keep nothing

@@ -161,6 +161,11 @@ class Runtime:
     step: int = 0  # the step being taken
     requests: int = 0  # rollouts the sampler has asked for in this step (keys of coupled draws)
 
+    def request(self) -> tuple[int, int]:
+        """The key of the sampler's next request for a rollout: (this step, its index in the step)."""
+        self.requests += 1
+        return self.step, self.requests - 1
+
     def spend(self, what: str, seconds: float) -> None:
         self.spent[what] = self.spent.get(what, 0.0) + seconds
 

@@ -95,13 +95,11 @@ def generate(
     episodes: Episodes | None = None,
     draws: RowDraws | None = None,
 ) -> Generation:
-    """Sample one completion per prompt with a KV cache (a repeated prompt is prefilled once and its
-    cache copied to its rows); each row stops at its EOS (never before `min_new_tokens`) and leaves
-    the batch once an eighth of the rows present have finished. temperature 0 is greedy. `fast=False`
-    forces the model's own forward (`decoders.HFForward`). `logprobs`: also each sampled token's
-    log-prob under softmax(logits / temperature), which the trainer's log-probs measure (no top-p).
-    `episodes`: one multi-turn episode per prompt (`turns.Turns`) in a budget of `max_new_tokens`.
-    `draws`: each row's uniforms by its key (`rlkit.draws`) instead of torch's generator."""
+    """Sample one completion per prompt with a KV cache (see `prefill`); each row stops at its EOS
+    (never before `min_new_tokens`) and leaves the batch once an eighth of the rows present have
+    finished. temperature 0 is greedy. `fast=False`: the model's own forward (`decoders.HFForward`).
+    `logprobs`: also each sampled token's log-prob under softmax(logits / temperature) (no top-p).
+    `episodes`: multi-turn episodes (`turns.Turns`) of `max_new_tokens`; `draws`: keyed uniforms (`rlkit.draws`)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, fast)  # [N, V], [N, Tp]
     out = Sampled(prompt_ids, max_new_tokens, pad, logprobs)
@@ -111,8 +109,7 @@ def generate(
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
-        u = None if draws is None else draws.at(rows, t)  # [n] the rows' own uniforms
-        tok = torch.where(fin, pad, sample(logits, temperature, top_p, u))  # [n]
+        tok = torch.where(fin, pad, sample(logits, temperature, top_p, draws and draws.at(rows, t)))  # [n]
         if turns is not None:
             tok = turns.force(t, rows, tok, fin)  # [n] the environment's queued tokens replace samples
         out.record(t, rows, tok, fin, logits, temperature)
