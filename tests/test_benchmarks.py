@@ -186,3 +186,19 @@ def test_the_step_benchmarks_check_reports_each_largest_difference(tmp_path):
         0.25,
     )
     assert got["tensors compared"] == 2
+
+
+@pytest.mark.slow
+def test_the_run_benchmark_times_two_whole_runs_phase_by_phase(tmp_path, monkeypatch, capsys):
+    """This checkout and HEAD (a worktree, removed after) each train a tiny run in their own
+    process: the agreement line (the same code gives the same values) and a row per side."""
+    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sizes = [o for o in TINY if not o.startswith("threads=")]  # the benchmark sets the threads
+    config = ["model=tiny", *sizes, "warm_start.steps=0", "task.n_eval=4", "checkpoint.every=0"]
+    monkeypatch.setattr("sys.argv", ["bench_run", "--against", "HEAD", "--steps", "2", "--config", *config])
+    load("bench_run").main()
+    out = capsys.readouterr().out
+    assert "first evaluation's values equal: True; steps with every training value equal: 2 of 2" in out
+    assert "| this checkout |" in out and "| HEAD |" in out and "wall time this checkout / HEAD" in out
+    assert list(tmp_path.glob("rlkit-bench-*")) == []
