@@ -37,7 +37,7 @@ STEP_PHASES = ("generate", "score", "logprob", "update")
 
 
 def run_side(root: str | None, overrides: list[str], threads: int, log) -> dict:
-    """One training run in its own process.  -> wall seconds, its metrics lines, its summary"""
+    """One training run in its own process.  -> wall seconds, its metrics lines, its resolved config"""
     run_dir = tempfile.mkdtemp(prefix="bench_run-")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), WANDB_MODE="offline", WANDB_SILENT="true")
     if root is not None:
@@ -47,7 +47,8 @@ def run_side(root: str | None, overrides: list[str], threads: int, log) -> dict:
     subprocess.run(cmd, env=env, stdout=log, stderr=log, check=True, cwd=root or REPO)
     wall = time.perf_counter() - t
     lines = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-    return {"wall": wall, "lines": lines, "summary": json.loads(Path(run_dir, "summary.json").read_text())}
+    config = json.loads(Path(run_dir, "run.json").read_text())["config"]
+    return {"wall": wall, "lines": lines, "config": config}
 
 
 def phases(side: dict) -> dict:
@@ -72,17 +73,16 @@ def agreement(a: dict, b: dict) -> tuple[bool, int, int]:
     return first, same, len(steps)
 
 
-def model_config(overrides: list[str]):
-    """The transformers config of the run's model where it is a pretrained one (a folder or a cached
-    conversion), else None (a model built from a config has no FLOP count here)."""
-    from hydra import compose, initialize_config_module
+def model_config(run_config: dict):
+    """The transformers config of the run's model (from its run.json) where it is a pretrained one
+    (a folder or a cached conversion), and whether it trains LoRA adapters; None for a model built
+    from a config (no FLOP count here)."""
     from hydra.utils import instantiate
     from transformers import AutoConfig
 
-    with initialize_config_module(config_module="rlkit.conf", version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    model = instantiate(cfg.model, _recursive_=False)
-    return (AutoConfig.from_pretrained(model.source()), bool(cfg.model.lora_r)) if hasattr(model, "source") else None
+    model = instantiate(run_config["model"], _recursive_=False)
+    lora = bool(run_config["model"].get("lora_r"))
+    return (AutoConfig.from_pretrained(model.source()), lora) if hasattr(model, "source") else None
 
 
 def step_flops(side: dict, config, lora: bool, prompt_tokens: float) -> dict:
@@ -137,7 +137,7 @@ def main() -> None:
     if len(sides) == 2:
         first, same, n = agreement(*sides)
         print(f"first evaluation's values equal: {first}; steps with every training value equal: {same} of {n}")
-    described = model_config(overrides)
+    described = model_config(sides[0]["config"])
     flops = None if described is None else step_flops(sides[0], *described, a.prompt_tokens)
     table(names, sides, flops)
     print(f"fp32 matmul [1536, 576] x [576, 1536] on this machine: {fp32_rate():.0f} GFLOPS at 2 threads")
