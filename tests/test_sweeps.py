@@ -277,3 +277,19 @@ def test_compare_refuses_a_metric_nobody_logged(tmp_path, capsys, warm_cache):
         main([str(tmp_path / "run"), "--metric", "eval/nobody", "--baseline", "grpo"])
     assert e.value.code == 2 and "--metric eval/nobody: no run logged it" in capsys.readouterr().err
     assert not (tmp_path / "run" / "compare").exists()
+
+
+def test_a_script_composes_the_config_before_anything_imports_rlkit(tmp_path):
+    """Hydra's plugin scan executes the installed sweeper module without registering it: a fresh
+    process that composes first (a user's script, a benchmark worker) must not crash on it."""
+    import subprocess
+    import sys
+
+    code = (
+        "from hydra import compose, initialize_config_module\n"
+        "with initialize_config_module(config_module='rlkit.conf', version_base=None):\n"
+        "    print(compose(config_name='config', overrides=['algo=dr_grpo']).advantage._target_)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "rlkit.advantages.DrGRPO"

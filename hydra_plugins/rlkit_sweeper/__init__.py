@@ -4,8 +4,6 @@ as failed in its own folder (`failed.json`, exit 2) and the sweep runs every oth
 basic sweeper refuses the whole sweep before any job runs. A Hydra plugin lives in the
 `hydra_plugins` namespace; rlkit installs this one with itself."""
 
-from __future__ import annotations
-
 import sys
 from dataclasses import dataclass
 from pathlib import Path
