@@ -76,6 +76,10 @@ def planned_runs(spec, seeds: int) -> list[tuple[str, int]]:
 
 
 def missing_runs(spec, records: list, plan) -> list[tuple[str, int]]:
-    """The runs the study still owes: the planned seeds' (the pilot's while no plan is fixed) not recorded."""
+    """The runs the study still owes: the planned seeds' (the pilot's while no plan is fixed; in a
+    sequential design, every seed up to the last recorded one) not recorded."""
     recorded = {(head["arm"], head["seed"]) for head, _ in records}
-    return [run for run in planned_runs(spec, plan.seeds if plan else spec.seeds.pilot) if run not in recorded]
+    seeds = plan.seeds if plan else spec.seeds.pilot
+    if spec.sequential:  # every look's seed complete, up to the last one begun
+        seeds = max([seeds, *(head["seed"] + 1 for head, _ in records)])
+    return [run for run in planned_runs(spec, seeds) if run not in recorded]

@@ -11,6 +11,7 @@ from rlkit.analysis import stats
 from rlkit.analysis.arms import pair, per_run, runs_by_arm, unpaired
 from rlkit.analysis.compare import fmt
 from rlkit.analysis.runs import WITHDRAWN, aggregate, aggregate_name
+from rlkit.analysis.sequential import Sequence, track
 from rlkit.analysis.stats import mean_ci
 from rlkit.analysis.study import SAMPLED, START, learner, learning_margin, treatments
 from rlkit.analysis.values import Analysis, Bound, Gate, Plan, Reason, Verdict, gate
@@ -24,6 +25,11 @@ def mean(values: list[float]) -> float:
 
 def fmt_ci(values: list[float]) -> str:
     return fmt(*mean_ci(values)) if values else "n/a"
+
+
+def sequence(spec, d: list[float], margin: float | None = None) -> Sequence:
+    """The anytime-valid state of differences `d` in seed order, at the study's alpha and prior."""
+    return track(d, spec.alpha, spec.sequential.prior if spec.sequential else 1.0, margin)
 
 
 # ---- the gates: each its check, its reason and its lines -------------------------------------------------------------
@@ -74,10 +80,14 @@ def learning_gate(spec, arms: dict) -> Gate:
     margin, base = learning_margin(spec), learner(spec)
     gains = list(values.get(base, {}).values())
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
-    learned = d.n >= 2 and d.interval[0] > margin
+    lo, said = d.interval[0], d.describe()
+    if spec.sequential:
+        s = sequence(spec, gains)
+        lo, said = s.interval[0], s.describe()
+    learned = d.n >= 2 and lo > margin
     role, who = ("baseline", "the baseline") if base == spec.baseline else ("arm", base)
     lines = [
-        f"{base} ({role}): {name} = {d.describe()}, needs its interval above {margin:g}: "
+        f"{base} ({role}): {name} = {said}, needs its interval above {margin:g}: "
         + ("passed" if learned else f"FAILED, {who} did not learn by the margin")
     ]
     for control in spec.controls:
@@ -102,15 +112,20 @@ def sensitivity_gate(spec, values: dict) -> Gate:
             None, reason, ["no positive control declared: an equivalence cannot be told from an insensitive testbed"]
         )
     direction, delta = S.direction or spec.primary.direction, spec.primary.smallest_effect
-    d = stats.paired(*pair(values, spec.baseline, S.arm), spec.alpha)
+    a, b = pair(values, spec.baseline, S.arm)
+    d = stats.paired(a, b, spec.alpha)
+    p, said = d.p, d.describe()
+    if spec.sequential:
+        s = sequence(spec, [y - x for x, y in zip(a, b)])
+        p, said = s.p, s.describe()
     sign = 1 if direction == "higher" else -1
-    seen = d.n >= MIN_PAIRS and d.p < spec.alpha and sign * d.diff >= delta
+    seen = d.n >= MIN_PAIRS and p < spec.alpha and sign * d.diff >= delta
     return gate(
         seen,
         reason,
         [
             f"{S.arm} - {spec.baseline} (positive control, needs {direction} by >= {delta:g}, p < {spec.alpha:g}): "
-            f"{d.describe()}: " + ("passed" if seen else "FAILED, the testbed does not show the mechanism")
+            f"{said}: " + ("passed" if seen else "FAILED, the testbed does not show the mechanism")
         ],
     )
 
@@ -154,17 +169,20 @@ def engagement_gates(spec, arms: dict, tested: list[str]) -> tuple[dict[str, Gat
 # ---- the verdict ----------------------------------------------------------------------------------------------------
 
 
-def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict[str, Gate]) -> Verdict:
+def decide(
+    spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict[str, Gate], seq: Sequence | None = None
+) -> Verdict:
     """The verdict for one treatment's primary difference d (treatment - baseline), given its
-    Holm-adjusted p of no difference (`p_sig`) and of TOST at the margin (`p_eq`) and its gates
-    (the first in order that failed gives the reason)."""
+    Holm-adjusted p of no difference (`p_sig`) and of TOST at the margin (`p_eq`), anytime-valid
+    in a sequential design (its confidence sequence `seq`), and its gates (the first in order that
+    failed gives the reason)."""
     failed = next((g for g in gates.values() if g.failed), None)
     if failed is not None:
         return Verdict("not tested", failed.reason.text, failed.reason.short)
     if d.n < MIN_PAIRS:
         why = f"only {d.n} paired runs (a verdict needs at least {MIN_PAIRS})"
         return Verdict("inconclusive", why, why)
-    word, why = outcome(spec, d, p_sig, p_eq)
+    word, why = outcome(spec, d, p_sig, p_eq, seq)
     sensitive, held = gates["sensitivity"].declared, gates["premises"].declared
     if word == "equivalent" and not sensitive:
         short = f"no positive control showed that this testbed can see an effect of {spec.primary.smallest_effect:g}"
@@ -173,7 +191,7 @@ def decide(spec, d: stats.Difference, p_sig: float, p_eq: float, gates: dict[str
     return Verdict(word, why, word, ungated)
 
 
-def outcome(spec, d: stats.Difference, p_sig: float, p_eq: float) -> tuple[str, str]:
+def outcome(spec, d: stats.Difference, p_sig: float, p_eq: float, seq: Sequence | None = None) -> tuple[str, str]:
     """Equivalence testing's outcomes (Lakens 2018) for significance against 0 and TOST against the
     declared margin, both adjusted: reproduced (significant the claimed way, not inside the margin),
     negligible (significant but inside it), equivalent (not significant, inside it), refuted
@@ -181,12 +199,15 @@ def outcome(spec, d: stats.Difference, p_sig: float, p_eq: float) -> tuple[str, 
     delta, alpha, direction = spec.primary.smallest_effect, spec.alpha, spec.primary.direction
     sig, equal = p_sig < alpha, p_eq < alpha
     tests = f"adjusted p = {p_sig:.2g}, TOST at ±{delta:g} adjusted p = {p_eq:.2g}"
+    if seq is not None:
+        tests = f"anytime-valid {tests}; confidence sequence [{seq.interval[0]:+.3g}, {seq.interval[1]:+.3g}]"
     if sig and equal:
         return "negligible", f"a real difference, but inside ±{delta:g} ({tests})"
     if equal:
         return "equivalent", f"no difference as large as {delta:g} either way ({tests})"
     if not sig:
-        return "inconclusive", f"neither a difference nor an equivalence is shown ({tests}){need(spec, d)}"
+        more = need(spec, d) if seq is None else f"; reached at {seq.n} pairs"
+        return "inconclusive", f"neither a difference nor an equivalence is shown ({tests}){more}"
     if direction == "equal":
         return "refuted", f"a difference beyond ±{delta:g} ({tests})"
     if (d.diff > 0) == (direction == "higher"):
@@ -221,14 +242,21 @@ def analyse(spec, records: list, plan: Plan | None, robust: bool = True) -> Anal
     values = per_run(arms, spec.primary, spec.unfinished)
     pairs = {arm: pair(values, spec.baseline, arm) for arm in tested}
     diffs = {arm: stats.paired(*pairs[arm], alpha=spec.alpha) for arm in tested}
-    p_sig = dict(zip(tested, stats.holm([d.p for d in diffs.values()])))
-    p_eq = dict(zip(tested, stats.holm([d.tost(spec.primary.smallest_effect) for d in diffs.values()])))
+    seqs = {
+        arm: sequence(spec, [y - x for x, y in zip(*pairs[arm])], spec.primary.smallest_effect)
+        if spec.sequential
+        else None
+        for arm in tested
+    }
+    sig = [seqs[a].p if seqs[a] else diffs[a].p for a in tested]
+    eq = [seqs[a].p_inside if seqs[a] else diffs[a].tost(spec.primary.smallest_effect) for a in tested]
+    p_sig, p_eq = dict(zip(tested, stats.holm(sig))), dict(zip(tested, stats.holm(eq)))
     engaged, engagement_lines = engagement_gates(spec, arms, tested)
     gates = gate_checks(spec, arms, values)
     cap = spec.seeds.cap if plan and plan.capped else None
     verdicts = {
         arm: dataclasses.replace(
-            decide(spec, diffs[arm], p_sig[arm], p_eq[arm], {**gates, "engagement": engaged[arm]}), cap=cap
+            decide(spec, diffs[arm], p_sig[arm], p_eq[arm], {**gates, "engagement": engaged[arm]}, seqs[arm]), cap=cap
         )
         for arm in tested
     }
@@ -270,3 +298,38 @@ def secondary_differences(spec, arms: dict, tested: list[str], robust: bool) -> 
             rob = stats.robust(a, b, m.lower, spec.alpha, paired=True) if robust else None
             lines.append(stats.Row(label, stats.paired(a, b, spec.alpha), rob, arm, m.metric, m.lower))
     return lines
+
+
+# ---- a sequential design's stopping rule ----------------------------------------------------------------------------
+
+
+def hopeless(spec, arms: dict, values: dict) -> list[str]:
+    """The gates that can no longer pass at any later look: the learning check's confidence sequence
+    wholly at or under its margin, the positive control's wholly short of the smallest effect."""
+    out = []
+    if spec.learning is not None:
+        gains = list(per_run(arms, spec.learning, spec.unfinished).get(learner(spec), {}).values())
+        hi = sequence(spec, gains).interval[1]
+        if hi <= learning_margin(spec):
+            out.append(f"the learning check cannot pass (its confidence sequence ends at {hi:.3g})")
+    S = spec.sensitivity
+    if S is not None:
+        sign = 1 if (S.direction or spec.primary.direction) == "higher" else -1
+        lo, hi = sequence(spec, [y - x for x, y in zip(*pair(values, spec.baseline, S.arm))]).interval
+        if max(sign * lo, sign * hi) < spec.primary.smallest_effect:
+            out.append(f"the positive control cannot reach the smallest effect (its sequence [{lo:.3g}, {hi:.3g}])")
+    return out
+
+
+def settled(spec, a: Analysis) -> str | None:
+    """Why a sequential study stops at this look, or None (look again after the next seed): a gate
+    that can no longer pass, or every tested gate passed and every treatment's outcome decided
+    (significance or equivalence shown, anytime-valid)."""
+    lost = hopeless(spec, a.arms, a.values)
+    if lost:
+        return "; ".join(lost)
+    if any(a.gates[g].failed for g in ("learning", "sensitivity")):
+        return None
+    if all(min(a.p_adjusted[t], a.p_tost_adjusted[t]) < spec.alpha for t in a.treatments):
+        return "every tested gate passed and every verdict is decided"
+    return None

@@ -19,6 +19,7 @@ from rlkit.analysis.study import (
     changes,
     declared,
     every_arm,
+    extensible,
     learner,
     learning_margin,
     overrides,
@@ -115,11 +116,11 @@ def check_declaration(spec: StudySpec, name: str, results: Path, records: list) 
                 f"{head.get('overrides')}, but the study file now says "
                 f"{overrides(spec, head['arm']) if known else 'no such arm'}; {fix}",
             )
-    plan_file, now = results / "plan.json", declared(spec)
+    plan_file, now = results / "plan.json", extensible(declared(spec))
     kept = [(str(plan_file), read_plan(plan_file).declared)] if plan_file.exists() else []
     kept += [(f"the record of {h['arm']} seed {h['seed']}", h["declared"]) for h, _ in records if "declared" in h]
     for where, was in kept:
-        was = with_defaults(was)
+        was = extensible(with_defaults(was))
         if was != now:
             raise Stopped(
                 EXIT_BAD_INPUT,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlkit import atomic
 from rlkit.analysis.arms import planned_runs
+from rlkit.analysis.decision import analyse, settled
 from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
 from rlkit.analysis.study import Stopped, StudySpec, overrides
 from rlkit.analysis.values import Plan
@@ -152,6 +153,8 @@ def run_planned(
     spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals, jobs: int, to_cap: bool
 ) -> None:
     check_declaration(spec, name, results, read_records(results))
+    if spec.sequential:
+        return run_sequential(spec, name, runs, results, signals, jobs)
     run_seeds(spec, name, spec.seeds.pilot, runs, results, signals, jobs)
     check_logged(spec, read_records(results))
     plan_file = results / "plan.json"
@@ -167,6 +170,21 @@ def run_planned(
             raise Stopped(EXIT_DECISION, decision(name, fixed))
         atomic.write_text(plan_file, json.dumps(replace(fixed, to_cap=True).to_json(), indent=1))  # kept
     run_seeds(spec, name, fixed.seeds, runs, results, signals, jobs)
+
+
+def run_sequential(spec: StudySpec, name: str, runs: Path, results: Path, signals: Signals, jobs: int) -> None:
+    """A look after every completed seed from the first (`seeds.pilot`) to the cap; the study stops
+    at the first look that settles it (`settled`). The looks are a function of the records alone,
+    so a resumed or extended study takes the same ones."""
+    for n in range(spec.seeds.pilot, spec.seeds.cap + 1):
+        run_seeds(spec, name, n, runs, results, signals, jobs)
+        if n == spec.seeds.pilot:
+            check_logged(spec, read_records(results))
+        looked = [(head, rows) for head, rows in read_records(results) if head["seed"] < n]
+        why = settled(spec, analyse(spec, looked, None, robust=False))
+        print(f"rlkit-study: {name}: look at {n} seeds: {why or 'not settled'}", file=sys.stderr)
+        if why:
+            return
 
 
 def decision(name: str, fixed: Plan) -> str:

@@ -87,6 +87,16 @@ class Seeds:
     pilot_confidence: float = 0.8  # the pilot's sd is raised to this upper confidence limit before planning
 
 
+@dataclass
+class Sequential:
+    """A sequential design: a look after every completed seed from `seeds.pilot` (at least 3) to
+    `seeds.cap`, each decision anytime-valid (`rlkit.analysis.sequential`), the study stopped as soon
+    as every gate and every verdict is decided. No plan is made; raising the cap later continues the
+    study (an extension) without invalidating its error rates."""
+
+    prior: float = 1.0  # phi, the mixture's precision on the standardised effect (1: effects about one sd)
+
+
 START = "start"  # the baseline that is each seed's starting policy: its step-0 evaluation, held (`learner`)
 SAMPLED = ("eval/mean@", "eval/pass@")  # the held-out metrics drawn from sampled completions (rlkit.evaluate)
 
@@ -119,6 +129,7 @@ class StudySpec:
     alpha: float = 0.05
     power: float = 0.8
     seeds: Seeds = field(default_factory=Seeds)
+    sequential: Sequential | None = None  # a sequential design (see `Sequential`); None: fixed n from the pilot
 
 
 class StudyError(ValueError):
@@ -151,8 +162,11 @@ def load_spec(path: Path) -> StudySpec:
         problems.append("primary.smallest_effect must be > 0")
     if not (0 < spec.alpha < 0.5 and 0.5 <= spec.power < 1):
         problems.append(f"alpha must be in (0, 0.5) and power in [0.5, 1), got {spec.alpha}, {spec.power}")
-    if not 2 <= spec.seeds.pilot <= spec.seeds.cap:
-        problems.append(f"seeds need 2 <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
+    first = 3 if spec.sequential else 2  # a sequential design's first look needs 3 pairs
+    if not first <= spec.seeds.pilot <= spec.seeds.cap:
+        problems.append(f"seeds need {first} <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
+    if spec.sequential and not spec.sequential.prior > 0:
+        problems.append(f"sequential.prior must be > 0, got {spec.sequential.prior}")
     problems += unsafe_names(spec) + gate_problems(spec)
     if set(spec.controls) & set(spec.arms):
         problems.append(f"a control may not share an arm's name: {', '.join(set(spec.controls) & set(spec.arms))}")
@@ -249,6 +263,14 @@ def with_defaults(was: dict) -> dict:
         return json.loads(json.dumps(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(StudySpec), was))))
     except OmegaConfBaseException:  # a key the schema no longer has: compared as it was kept
         return was
+
+
+def extensible(decl: dict) -> dict:
+    """A sequential declaration without its seed cap, which an extension may raise: the looks stay
+    anytime-valid however far the study goes."""
+    if not decl.get("sequential"):
+        return decl
+    return {**decl, "seeds": {k: v for k, v in decl["seeds"].items() if k != "cap"}}
 
 
 def changes(was: dict, now: dict, prefix: str = "") -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from rlkit import atomic
 from rlkit.analysis.arms import missing_runs
 from rlkit.analysis.compare import plot
-from rlkit.analysis.decision import analyse, fmt_ci
+from rlkit.analysis.decision import analyse, fmt_ci, settled
 from rlkit.analysis.runs import aggregate_name
 from rlkit.analysis.study import START, learner, learning_margin, treatments
 from rlkit.analysis.values import Analysis, Bound, Plan
@@ -28,6 +28,12 @@ def engagement_words(e) -> str:
 
 
 def seed_words(spec, plan: Plan | None) -> str:
+    if spec.sequential:
+        return (
+            f"sequential: a look after every completed seed from seed {spec.seeds.pilot} to the cap of "
+            f"{spec.seeds.cap}, every test anytime-valid (confidence sequences, prior {spec.sequential.prior:g}); "
+            "the study stops at the first look where a gate can no longer pass or every verdict is decided"
+        )
     seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
     if plan is None:
         return seeds
@@ -174,6 +180,10 @@ def report(spec, name: str, results: Path, records: list, plan: Plan | None) -> 
         v = list(r.values.get(arm, {}).values())
         lines.append(f"| {arm} | {len(v)} | {fmt_ci(v)} |")
     lines.append("")
+    if spec.sequential:
+        n = len({head["seed"] for head, _ in records})
+        why = settled(spec, r)
+        lines += [f"Stopped at {n} seeds: {why}." if why else f"Not settled at {n} seeds (cap {spec.seeds.cap}).", ""]
     lines += verdict_lines(spec, r)
     sections = [
         ("Starting policy", r.gates["start"].lines),

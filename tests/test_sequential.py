@@ -1,0 +1,171 @@
+"""Sequential studies: the anytime-valid confidence sequence and p-values equal the reference
+package's (savvi), and simulated studies with a look after every seed keep their error rates where
+a t-test that peeks does not; a sequential study stops at the first look that settles it, and
+raising its cap continues it."""
+
+import gzip
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_study import REPO, records, script, write_spec
+
+from rlkit.analysis import stats
+from rlkit.analysis.decision import analyse, settled
+from rlkit.analysis.sequential import track
+from rlkit.analysis.study import declared, overrides
+from rlkit.analysis.study_cli import main as study_main
+
+SIM = script(REPO / "experiments" / "sequential_designs" / "simulate.py")  # the simulations its README shows
+
+ALPHA, LOOKS, STUDIES = 0.05, 50, 2000
+MC = 2.58 * math.sqrt(ALPHA * (1 - ALPHA) / STUDIES)  # 99% Monte Carlo error of a rate near alpha
+
+
+@pytest.fixture(scope="module")
+def savvi(tmp_path_factory):
+    """savvi 0.3.1 (Lindon et al.'s anytime-valid linear models), fetched from the package index
+    without its dependencies (cvxpy and matplotlib serve only parts this test does not import):
+    its pure-Python wheels go on sys.path."""
+    wheels = tmp_path_factory.mktemp("wheels")
+    for req in ("savvi==0.3.1", "py-markdown-table==2.0.0"):
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", wheels, req]
+        subprocess.run(cmd, check=True)
+    sys.path[:0] = [str(w) for w in sorted(wheels.glob("*.whl"))]
+    from savvi.linear_regression import LinearRegression
+
+    yield LinearRegression
+    sys.path[:] = [p for p in sys.path if not p.startswith(str(wheels))]
+
+
+@pytest.mark.parametrize(("mean", "sd", "phi"), [(0.3, 1.0, 1.0), (-2.0, 0.5, 0.25), (0.05, 0.1, 4.0)])
+def test_the_confidence_sequence_and_p_value_are_the_reference_package_s(savvi, mean, sd, phi):
+    """At every look, the running interval and p-value equal savvi's intercept-only regression (its
+    recursive least squares starts from a 1e6 prior covariance: agreement to about 1e-6)."""
+    d = [float(x) for x in np.random.default_rng(7).normal(mean, sd, 15)]
+    ref = savvi(ALPHA, 1, phi=phi)
+    for n in range(1, len(d) + 1):
+        ref.update(np.array([d[n - 1], 1.0]))
+        ref.infer()
+        s = track(d[:n], ALPHA, phi)
+        assert s.p == pytest.approx(ref.p_value[0], rel=1e-5)
+        for ours, theirs in zip(s.interval, ref.conf_int[0]):
+            assert ours == pytest.approx(theirs, rel=1e-5) if math.isfinite(theirs) else ours == theirs
+
+
+def test_under_the_null_the_sequential_test_keeps_alpha_where_a_peeking_t_test_does_not():
+    """2,000 simulated studies of Gaussian paired differences with mean 0, a look after every seed up
+    to 50: the anytime-valid test rejects in at most alpha (+ Monte Carlo error), the t-test that
+    peeks at every look in several times alpha."""
+    sims = np.random.default_rng(0).normal(0.0, 1.0, (STUDIES, LOOKS))
+    sequential = np.mean([SIM.first_rejection(list(map(float, d))) is not None for d in sims])
+    peeking = np.mean([SIM.peeking_t_rejects(d) for d in sims])
+    assert sequential <= ALPHA + MC
+    assert peeking > 3 * ALPHA
+
+
+@pytest.mark.parametrize(("effect", "oracle_n"), [(1.0, 10), (0.8, 15)])
+def test_at_the_smallest_effect_it_stops_before_the_fixed_design_s_planned_n(effect, oracle_n):
+    """A true effect of the smallest size (in sd of the differences): the sequential study stops, on
+    average, before the n that rlkit's fixed design plans from its pilot, and it detects the effect
+    more often than the fixed design's power of 0.8. (With the true sd known in advance the fixed
+    n, `oracle_n`, is smaller than the sequential mean: the price of not knowing the spread.)"""
+    n_stop, power, planned = SIM.stopping(effect, 500, seed=1)
+    assert stats.seeds_for_power(effect, 1.0, True, 0.8, ALPHA) == oracle_n
+    assert n_stop.mean() < planned.mean()
+    assert power > 0.8
+    assert oracle_n < n_stop.mean() < np.percentile(n_stop, 90) <= LOOKS
+
+
+def test_equivalence_and_the_gates_keep_their_error_rates_at_any_look():
+    """A true difference exactly at the equivalence margin: the sequence is shown inside the margin
+    at some look in at most alpha of 2,000 studies; a true difference of 0 is shown inside a margin
+    of one sd in most. The learning check (the gains' sequence above its margin) with true gains at
+    the margin passes at some look in at most alpha."""
+    rng = np.random.default_rng(2)
+    at_margin = [track(list(map(float, rng.normal(1.0, 1.0, LOOKS))), ALPHA, margin=1.0) for _ in range(STUDIES)]
+    assert np.mean([s.p_inside < ALPHA for s in at_margin]) <= ALPHA + MC
+    null = [track(list(map(float, rng.normal(0.0, 1.0, LOOKS))), ALPHA, margin=1.0) for _ in range(200)]
+    assert np.mean([s.p_inside < ALPHA for s in null]) > 0.8
+    gains = [track(list(map(float, rng.normal(0.05, 0.1, LOOKS))), ALPHA) for _ in range(STUDIES)]
+    assert np.mean([s.interval[0] > 0.05 for s in gains]) <= ALPHA + MC
+
+
+def test_the_running_interval_only_narrows_and_covers_the_mean_without_spread():
+    s = track([0.2, 0.2, 0.2, 0.2], ALPHA, margin=0.1)
+    assert s.interval == (0.2, 0.2) and s.p == 0.0 and s.p_inside == 1.0
+    d = [float(x) for x in np.random.default_rng(3).normal(0.0, 1.0, 30)]
+    widths = [track(d[:n], ALPHA).interval for n in range(3, 31)]
+    assert all(a[0] <= b[0] and b[1] <= a[1] for a, b in zip(widths, widths[1:]))
+
+
+def sequential_study(folder, cap=8, **changes):
+    return write_spec(
+        folder,
+        seeds={"pilot": 3, "cap": cap},
+        sequential={"prior": 1.0},
+        primary={"metric": "eval/accuracy", "aggregate": "final", "direction": "higher", "smallest_effect": 0.05},
+        **changes,
+    )
+
+
+def test_a_sequential_verdict_uses_the_anytime_valid_tests(tmp_path):
+    """Differences of +0.2 +- a little at 8 seeds: reproduced, with the confidence sequence in the
+    reason; at 3 seeds not yet settled (the sequence is unbounded until about 6 pairs)."""
+    spec = sequential_study(tmp_path)
+    treat = [0.5 + 0.2 + 0.01 * (-1) ** s for s in range(8)]
+    recs = records([0.5] * 8, treat)
+    r = analyse(spec, recs, None)
+    assert r.verdicts["t"].word == "reproduced" and "anytime-valid" in r.verdicts["t"].reason
+    assert "confidence sequence [" in r.verdicts["t"].reason
+    assert settled(spec, r) == "every tested gate passed and every verdict is decided"
+    three = [(h, rows) for h, rows in recs if h["seed"] < 3]
+    assert settled(spec, analyse(spec, three, None)) is None
+
+
+def write_records(folder, spec, recs):
+    from rlkit.analysis.records import record_path
+
+    for head, rows in recs:
+        head.update(declared=declared(spec), overrides=overrides(spec, head["arm"]), rows=len(rows))
+        path = record_path(folder / "results", head["arm"], head["seed"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gzip.compress((json.dumps(head) + "\n" + "\n".join(map(json.dumps, rows))).encode()))
+
+
+def test_a_sequential_study_stops_at_the_first_settled_look_and_an_extension_continues_it(
+    tmp_path, monkeypatch, capsys
+):
+    """Records for 12 seeds are written here and `run_seeds` only notes the seeds asked for (the tiny
+    study in test_study trains real runs end to end): the study looks after each seed and stops at
+    the first look that settles it, its README saying so. A noisy study runs to its cap, and raising
+    the cap in the study file continues it; any other edit is refused."""
+    from rlkit.analysis import runner
+
+    asked = []
+    monkeypatch.setattr(runner, "run_seeds", lambda spec, name, seeds, *a: asked.append(seeds))
+    monkeypatch.chdir(tmp_path)
+    clear = tmp_path / "experiments" / "clear"
+    clear.mkdir(parents=True)
+    spec = sequential_study(clear, cap=12)
+    write_records(clear, spec, records([0.5] * 12, [0.7 + 0.01 * (-1) ** s for s in range(12)]))
+    assert study_main(["clear"]) == 0
+    stop = asked[-1]
+    assert asked == list(range(3, stop + 1)) and 3 < stop < 12
+    assert f"look at {stop} seeds: every tested gate passed" in capsys.readouterr().err
+
+    noisy = tmp_path / "experiments" / "noisy"
+    noisy.mkdir(parents=True)
+    spec = sequential_study(noisy, cap=5)
+    write_records(noisy, spec, records([0.5] * 7, [0.5, 0.9, 0.2, 0.6, 0.4, 0.7, 0.3]))
+    asked.clear()
+    assert study_main(["noisy"]) == 0 and asked == [3, 4, 5]
+    sequential_study(noisy, cap=7)  # the extension
+    asked.clear()
+    assert study_main(["noisy"]) == 0 and asked == [3, 4, 5, 6, 7]
+    sequential_study(noisy, cap=7, alpha=0.1)
+    assert study_main(["noisy"]) == 2
+    assert "alpha: 0.05 -> 0.1" in capsys.readouterr().err
