@@ -6,6 +6,7 @@ raising its cap continues it."""
 import gzip
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ from rlkit.analysis.sequential import track
 from rlkit.analysis.study import declared, overrides
 from rlkit.analysis.study_cli import main as study_main
 
-SIM = script(REPO / "experiments" / "sequential_designs" / "simulate.py")  # the simulations its README shows
+SIM = script(REPO / "experiments" / "sequential_designs" / "simulate.py")  # the simulations docs/sweeps.md shows
 
 ALPHA, LOOKS, STUDIES = 0.05, 50, 2000
 MC = 2.58 * math.sqrt(ALPHA * (1 - ALPHA) / STUDIES)  # 99% Monte Carlo error of a rate near alpha
@@ -78,6 +79,16 @@ def test_at_the_smallest_effect_it_stops_before_the_fixed_design_s_planned_n(eff
     assert n_stop.mean() < planned.mean()
     assert power > 0.8
     assert oracle_n < n_stop.mean() < np.percentile(n_stop, 90) <= LOOKS
+
+
+@pytest.mark.slow
+def test_the_sweeps_page_shows_what_the_simulation_script_prints(capsys):
+    SIM.main()
+    page = " ".join((REPO / "docs" / "sweeps.md").read_text().split())
+    null, *table = capsys.readouterr().out.splitlines()
+    rates = re.search(r"rejects ([0-9.]+), peeking t-test ([0-9.]+)", null).groups()
+    assert f"rejects in {rates[0]} of 2,000 studies, a t-test that peeks at every look in {rates[1]}" in page
+    assert all(row in page for row in table)
 
 
 def test_equivalence_and_the_gates_keep_their_error_rates_at_any_look():
