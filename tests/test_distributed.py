@@ -356,3 +356,37 @@ def test_a_failure_on_one_rank_stops_the_others_with_one_named_line(tmp_path, wa
     assert "reward.functions.format raised on row 0" in out.stderr  # rank 1's own error
     assert "another process of this run failed (its message is above)" in out.stderr  # rank 0's one line
     assert "rlkit-launch: rank 1 exited with code 2" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_coupled_rollout_is_the_same_from_two_processes_as_from_one(tmp_path, warm_cache):
+    """rollout.coupled=true keys each token's uniform by the row, not by its rank or batch: the
+    first step's rollout (from one starting policy) is the same split over two processes as in one;
+    two processes twice give the same numbers."""
+    args = ("steps=1", "rollout.coupled=true", "eval.every=0", "checkpoint.every=0")
+    for name in ("two", "again"):
+        out = torchrun(tmp_path / name, warm_cache, *args)
+        assert out.returncode == 0, out.stderr[-3000:]
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlkit.train",
+            *FAST,
+            f"warm_start.cache_dir={warm_cache}",
+            *args,
+            f"hydra.run.dir={tmp_path / 'one'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    two, again, single = (
+        [json.loads(line) for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()][-1]
+        for n in ("two", "again", "one")
+    )
+    untimed = [k for k in two if not k.startswith(("time/", "perf/"))]
+    assert [two[k] for k in untimed] == [again[k] for k in untimed]
+    for key in ("train/reward", "train/completion_len", "train/frac_zero_std_groups"):
+        assert two[key] == pytest.approx(single[key], rel=1e-6), key
+    assert 2 * two["train/gen_tokens"] == single["train/gen_tokens"]  # logged as the mean over the processes
