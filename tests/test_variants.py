@@ -19,7 +19,19 @@ def options(group):
 
 
 def test_every_group_has_the_documented_options():
-    assert options("advantage") == ["dr_grpo", "gae", "grpo", "process", "rloo"]
+    assert options("advantage") == [
+        "dr_grpo",
+        "gae",
+        "gpg",
+        "grpo",
+        "maxrl",
+        "opo",
+        "passk",
+        "process",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "rloo",
+    ]
     assert options("aggregator") == [
         "seq_mean_token_mean",
         "seq_mean_token_sum",
@@ -27,8 +39,30 @@ def test_every_group_has_the_documented_options():
         "token_mean",
     ]
     assert options("sampler") == ["dapo", "uniform"]
-    assert options("algo") == ["dapo", "dr_grpo", "grpo", "luspo", "ppo", "rloo"]
-    assert options("loss") == ["cispo", "clip_cov", "gmpo", "gspo", "kl_cov", "ppo_clip", "sapo", "vespo"]
+    assert options("algo") == [
+        "dapo",
+        "dppo",
+        "dr_grpo",
+        "gpg",
+        "grpo",
+        "luspo",
+        "maxrl",
+        "ppo",
+        "reinforce_pp",
+        "rloo",
+    ]
+    assert options("loss") == [
+        "cispo",
+        "clip_cov",
+        "dppo",
+        "gmpo",
+        "gspo",
+        "kl_cov",
+        "pg",
+        "ppo_clip",
+        "sapo",
+        "vespo",
+    ]
     assert options("correction") == ["mis", "none", "opsm", "seq_mis", "seq_tis", "tis"]
     assert options("engine") == ["kv_cache", "off_policy"]
 
@@ -71,9 +105,17 @@ def update_numbers(lines: list[dict]) -> list:
 
 # options that act only under a condition the small default run may not meet, and that condition:
 # dynamic sampling needs a group without signal (likelier with 2 completions), KL-Cov's penalty is 0
-# at the first update of a rollout (logp = old logp), and the sequence mask needs a sequence past delta
-ENGAGE = {"sampler=dapo": "rollout.group_size=2", "loss=kl_cov": "optim.mini_batches=2"}
-OWN_OPTION = {f"correction=opsm {OFF_POLICY}": "correction.delta=0"}
+# at the first update of a rollout (logp = old logp), and the sequence mask needs a sequence past delta,
+# as DPPO's token mask needs a token past delta (else it is PPO's unclipped ratio)
+ENGAGE = {
+    "sampler=dapo": "rollout.group_size=2",
+    "loss=kl_cov": "optim.mini_batches=2",
+    "loss=dppo": "optim.mini_batches=2",
+}
+OWN_OPTION = {
+    f"correction=opsm {OFF_POLICY}": "correction.delta=0",
+    "loss=dppo": "loss.delta_low=1e-3 loss.delta_high=1e-3",
+}
 
 
 @pytest.fixture(scope="module")

@@ -234,6 +234,16 @@ def gate_checks(spec, arms: dict, values: dict) -> dict[str, Gate]:
     }
 
 
+def primary_tests(spec, tested: list[str], pairs: dict, diffs: dict) -> tuple[dict, dict, dict]:
+    """Each treatment's confidence sequence (None in a fixed design) and its Holm-adjusted p of no
+    difference and of TOST at the smallest effect: anytime-valid in a sequential design."""
+    delta = spec.primary.smallest_effect
+    seqs = {a: sequence(spec, [y - x for x, y in zip(*pairs[a])], delta) if spec.sequential else None for a in tested}
+    sig = [seqs[a].p if seqs[a] else diffs[a].p for a in tested]
+    eq = [seqs[a].p_inside if seqs[a] else diffs[a].tost(delta) for a in tested]
+    return seqs, dict(zip(tested, stats.holm(sig))), dict(zip(tested, stats.holm(eq)))
+
+
 def analyse(spec, records: list, plan: Plan | None, robust: bool = True) -> Analysis:
     """Every number of the report, from the records alone; `robust` False leaves out the bootstrap
     statistics (the slow part), for a summary that needs only the verdicts."""
@@ -242,15 +252,7 @@ def analyse(spec, records: list, plan: Plan | None, robust: bool = True) -> Anal
     values = per_run(arms, spec.primary, spec.unfinished)
     pairs = {arm: pair(values, spec.baseline, arm) for arm in tested}
     diffs = {arm: stats.paired(*pairs[arm], alpha=spec.alpha) for arm in tested}
-    seqs = {
-        arm: sequence(spec, [y - x for x, y in zip(*pairs[arm])], spec.primary.smallest_effect)
-        if spec.sequential
-        else None
-        for arm in tested
-    }
-    sig = [seqs[a].p if seqs[a] else diffs[a].p for a in tested]
-    eq = [seqs[a].p_inside if seqs[a] else diffs[a].tost(spec.primary.smallest_effect) for a in tested]
-    p_sig, p_eq = dict(zip(tested, stats.holm(sig))), dict(zip(tested, stats.holm(eq)))
+    seqs, p_sig, p_eq = primary_tests(spec, tested, pairs, diffs)
     engaged, engagement_lines = engagement_gates(spec, arms, tested)
     gates = gate_checks(spec, arms, values)
     cap = spec.seeds.cap if plan and plan.capped else None

@@ -162,12 +162,7 @@ def load_spec(path: Path) -> StudySpec:
         problems.append("primary.smallest_effect must be > 0")
     if not (0 < spec.alpha < 0.5 and 0.5 <= spec.power < 1):
         problems.append(f"alpha must be in (0, 0.5) and power in [0.5, 1), got {spec.alpha}, {spec.power}")
-    first = 3 if spec.sequential else 2  # a sequential design's first look needs 3 pairs
-    if not first <= spec.seeds.pilot <= spec.seeds.cap:
-        problems.append(f"seeds need {first} <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
-    if spec.sequential and not spec.sequential.prior > 0:
-        problems.append(f"sequential.prior must be > 0, got {spec.sequential.prior}")
-    problems += unsafe_names(spec) + gate_problems(spec)
+    problems += unsafe_names(spec) + gate_problems(spec) + seed_problems(spec)
     if set(spec.controls) & set(spec.arms):
         problems.append(f"a control may not share an arm's name: {', '.join(set(spec.controls) & set(spec.arms))}")
     if spec.controls and spec.learning is None:
@@ -213,6 +208,16 @@ def gate_problems(spec: StudySpec) -> list[str]:
             problems.append(f"premise {p.metric}: arm {p.arm!r} is not one of the arms or controls")
     if spec.unfinished not in ("last", "worst"):
         problems.append(f"unfinished must be last or worst, got {spec.unfinished!r}")
+    return problems
+
+
+def seed_problems(spec: StudySpec) -> list[str]:
+    """The pilot within the cap (a sequential design's first look needs 3 pairs), a positive prior."""
+    problems, first = [], 3 if spec.sequential else 2
+    if not first <= spec.seeds.pilot <= spec.seeds.cap:
+        problems.append(f"seeds need {first} <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
+    if spec.sequential and not spec.sequential.prior > 0:
+        problems.append(f"sequential.prior must be > 0, got {spec.sequential.prior}")
     return problems
 
 

@@ -102,6 +102,14 @@ def protocol(spec, plan: Plan | None, treatments: int) -> list[str]:
     return lines + [f"- Seeds: {seed_words(spec, plan)}"]
 
 
+def stop_lines(spec, records: list, r: Analysis) -> list[str]:
+    """A sequential study's last look: why it stopped there, or that it is not settled."""
+    if not spec.sequential:
+        return []
+    n, why = len({head["seed"] for head, _ in records}), settled(spec, r)
+    return [f"Stopped at {n} seeds: {why}." if why else f"Not settled at {n} seeds (cap {spec.seeds.cap}).", ""]
+
+
 def verdict_lines(spec, r: Analysis) -> list[str]:
     """A verdict section per treatment: the word, the difference, the reason, the robust statistics."""
     lines = []
@@ -180,11 +188,7 @@ def report(spec, name: str, results: Path, records: list, plan: Plan | None) -> 
         v = list(r.values.get(arm, {}).values())
         lines.append(f"| {arm} | {len(v)} | {fmt_ci(v)} |")
     lines.append("")
-    if spec.sequential:
-        n = len({head["seed"] for head, _ in records})
-        why = settled(spec, r)
-        lines += [f"Stopped at {n} seeds: {why}." if why else f"Not settled at {n} seeds (cap {spec.seeds.cap}).", ""]
-    lines += verdict_lines(spec, r)
+    lines += stop_lines(spec, records, r) + verdict_lines(spec, r)
     sections = [
         ("Starting policy", r.gates["start"].lines),
         ("Learning check", r.gates["learning"].lines),

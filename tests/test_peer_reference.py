@@ -1,0 +1,109 @@
+"""The advantage estimators and losses that peers ship, against the peers' own functions run on
+shared random inputs (tests/fixtures/peer_reference.json, written by make_peer_reference.py from
+verl's and SkyRL's sources at the commits it records; this test imports neither), to 1e-6; and
+hand-worked numbers and properties from each paper's formula."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlkit.advantages import GRPO, DrGRPO
+from rlkit.group_advantages import GPG, OPO, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
+from rlkit.masked_losses import DPPO, PolicyGradient
+from rlkit.types import Rollout
+
+REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "peer_reference.json").read_text())
+CASES = REFERENCE["cases"]
+
+
+def rollout(x: dict, kl: bool = False) -> Rollout:
+    """The fixture's inputs as a rollout: the rewards, completion masks and (when the KL is in the
+    reward) the per-token KL penalty."""
+    mask = torch.tensor(x["mask"])  # [N, T]
+    N, T = mask.shape
+    z = torch.zeros(N, 1, dtype=torch.long)
+    return Rollout(
+        z, z + 1, torch.zeros(N, T, dtype=torch.long), mask.long(), torch.zeros(N, dtype=torch.bool), x["G"],
+        rewards=torch.tensor(x["scores"]), shaping=torch.zeros(N),
+        kl_penalty=torch.tensor(x["kl"]) if kl else None,
+    )  # fmt: skip
+
+
+ESTIMATORS = [
+    ("reinforce_pp_baseline", ReinforcePPBaseline, {}),
+    ("opo", OPO, {}),
+    ("gpg", GPG, {}),
+    ("maxrl", MaxRL, {}),
+    ("passk_std", PassK, {"std": True}),
+    ("passk", PassK, {"std": False}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+@pytest.mark.parametrize(("name", "cls", "kwargs"), ESTIMATORS, ids=[e[0] for e in ESTIMATORS])
+def test_each_estimator_gives_the_peer_s_advantages(case, name, cls, kwargs):
+    ours = cls(**kwargs)(rollout(case["inputs"]))  # [N, T]
+    torch.testing.assert_close(ours, torch.tensor(case["outputs"][name]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+def test_reinforce_pp_gives_verl_s_whitened_token_returns_with_the_kl_in_the_reward(case):
+    ours = ReinforcePP()(rollout(case["inputs"], kl=True))  # [N, T]
+    torch.testing.assert_close(ours, torch.tensor(case["outputs"]["reinforce_pp"]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+def test_the_plain_policy_gradient_and_dppo_give_the_peers_losses(case):
+    x = {k: torch.tensor(case["inputs"][k]) for k in ("logp", "old_logp", "adv", "mask")}
+    pg, _ = PolicyGradient().surrogate(x["logp"], x["old_logp"], x["adv"], x["mask"])  # [N, T]
+    token_mean = (pg * x["mask"]).sum() / x["mask"].sum()  # verl's token-mean
+    assert token_mean.item() == pytest.approx(case["outputs"]["gpg_loss"], rel=1e-6)
+    for kind in ("binary_tv", "binary_kl"):
+        loss, stats = DPPO(kind, 0.1, 0.1).surrogate(x["logp"], x["old_logp"], x["adv"], x["mask"])
+        assert (loss * x["mask"]).sum().item() == pytest.approx(case["outputs"][f"dppo_{kind}"], rel=1e-6)
+
+
+def hand(rewards: list[float], G: int, lengths=None) -> Rollout:
+    T = max(lengths or [2])
+    lengths = lengths or [2] * len(rewards)
+    x = {"mask": [[1.0] * n + [0.0] * (T - n) for n in lengths], "scores": rewards, "G": G, "kl": None}
+    return rollout(x)
+
+
+def test_hand_worked_numbers_from_each_paper_s_formula():
+    """Two groups of 4: [1, 0, 0, 0] and [1, 1, 0, 1]."""
+    r = hand([1.0, 0, 0, 0, 1, 1, 0, 1], 4, lengths=[1, 2, 3, 2, 2, 2, 2, 2])
+    # MaxRL: (r - p) / p, p = 1/4 and 3/4: 3, -1 and 1/3, -1
+    assert MaxRL(eps=0)(r)[:, 0].tolist() == pytest.approx([3, -1, -1, -1, 1 / 3, 1 / 3, -1, 1 / 3])
+    # OPO: b = (1*1) / (1+2+3+2) = 1/8 in the first group; 3/4 in the second (equal lengths)
+    assert OPO()(r)[:, 0].tolist() == pytest.approx([7 / 8, -1 / 8, -1 / 8, -1 / 8, 1 / 4, 1 / 4, -3 / 4, 1 / 4])
+    # GPG: alpha = 8 completions / 4 non-zero rewards = 2, times r - mean
+    assert GPG()(r)[:, 0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0.5, 0.5, -1.5, 0.5])
+    # pass@k: the first group's best gets 1 - 0 = 1 (std off), the second's best two tie: nothing
+    assert PassK(std=False)(r)[:, 0].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_properties_that_relate_them_to_grpo():
+    """With all lengths equal OPO is Dr. GRPO; with every reward non-zero GPG is Dr. GRPO; with one
+    group of 4 completions of 3 tokens each, REINFORCE++-baseline is GRPO's z-score rescaled from
+    the sample std of 4 rewards to the sample std of their 12 tokens: sqrt(11/9)."""
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(12, generator=g).tolist()
+    r = hand(rewards, 4, lengths=[3] * 12)
+    torch.testing.assert_close(OPO()(r), DrGRPO()(r))
+    torch.testing.assert_close(GPG()(r), DrGRPO()(r))
+    one = hand(rewards[:4], 4, lengths=[3] * 4)
+    grpo = GRPO(std="sample", eps=0)(one) * (11 / 9) ** 0.5
+    torch.testing.assert_close(ReinforcePPBaseline()(one), grpo, rtol=1e-5, atol=1e-6)
+
+
+def test_dppo_masks_only_tokens_pushed_past_delta_in_their_advantage_s_direction():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.7, 0.7, 0.3, 0.55]]))
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]])
+    loss, stats = DPPO("binary_tv", 0.1, 0.1).surrogate(new, old, adv, torch.ones(1, 4))
+    # up by 0.2 with A > 0: masked; up with A < 0: kept; down by 0.2 with A < 0: masked; up 0.05: kept
+    assert stats["masked_frac"].tolist() == [[1.0, 0.0, 1.0, 0.0]]
+    assert loss[0].tolist() == pytest.approx([0.0, 1.4, 0.0, -1.1])
