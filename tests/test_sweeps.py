@@ -4,6 +4,7 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,3 +294,20 @@ def test_a_script_composes_the_config_before_anything_imports_rlkit(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "rlkit.advantages.DrGRPO"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", ["advantage", "loss"])
+def test_a_multirun_over_every_option_of_a_group_runs_each_for_two_steps(group, tmp_path, warm_cache):
+    """`rlkit-train -m advantage=<every option>` (and `loss=`), two steps each on the tiny model,
+    two jobs at a time: every job finishes and logs an update."""
+    names = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / group).glob("*.yaml"))
+    out = sweep(tmp_path / "sweep", warm_cache, f"{group}={','.join(names)}", "eval.every=0", "checkpoint.every=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = {
+        json.loads((p / "run.json").read_text())["choices"][group]: p for p in job_folders(tmp_path / "sweep").values()
+    }
+    assert sorted(runs) == names
+    for name, folder in runs.items():
+        lines = metrics(folder)
+        assert [l["step"] for l in lines] == [0, 1, 2] and all("train/loss" in l for l in lines[1:]), name
