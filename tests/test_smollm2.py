@@ -5,6 +5,7 @@ log-probs, prompt checks and one update each are checked against plain transform
 Small on purpose: a few prompts, a few tokens."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -330,3 +331,28 @@ def test_calculator_episodes_keep_the_kv_cache_across_turns_exactly_as_re_prefil
         model = gen.model_mask[i, :n].tolist()
         first_reply = model.index(0)
         assert 0 in model and 1 in model[first_reply:]  # the model's turn, the tool's reply, the model's next turn
+
+
+NEW_VARIANTS = [
+    "advantage=reinforce_pp_baseline",
+    "advantage=maxrl",
+    "advantage=gpg",
+    "advantage=opo",
+    "advantage=passk",
+    "algo=reinforce_pp",
+    "loss=pg",
+    "loss=dppo",
+]
+
+
+def test_each_newer_estimator_and_loss_takes_a_real_model_step(tmp_path):
+    """One LoRA step of SmolLM2 under each estimator and loss added from the peers (4 completions a
+    group, so a group can hold a signal): the step finishes with a finite loss and gradient."""
+    for i, option in enumerate(NEW_VARIANTS):
+        run(
+            small(*LORA, option, "rollout.group_size=4", "rollout.max_new_tokens=4", "checkpoint.every=0"),
+            str(tmp_path / str(i)),
+        )
+        rows = metrics(tmp_path / str(i))
+        assert [r["step"] for r in rows] == [0, 1], option
+        assert math.isfinite(rows[1]["train/loss"]) and math.isfinite(rows[1]["train/grad_norm"]), option
