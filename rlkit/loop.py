@@ -164,7 +164,8 @@ def loss_input(run: Run, batch: Batch, idx: torch.Tensor) -> tuple[LossInput, di
     old = logp.detach() if b.old_logp is None else b.old_logp  # [m, Tc]
     behaviour = old if b.rollout.behaviour_logp is None else b.rollout.behaviour_logp  # [m, Tc] the engine's
     is_weight, corrected = parts.correction(logp.detach(), old, behaviour, b.adv, b.mask)  # [m, Tc]
-    return LossInput(logp, old, b.adv, b.mask, b.ref_logp, entropy, is_weight, b.select), corrected
+    reward = b.rollout.rewards + b.rollout.shaping  # [m]
+    return LossInput(logp, old, b.adv, b.mask, b.ref_logp, entropy, is_weight, b.select, reward), corrected
 
 
 def optimizer_step(run: Run, stats: UpdateStats, total: float, finite_loss: bool) -> bool:

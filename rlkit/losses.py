@@ -114,7 +114,9 @@ class Regularised(PolicyLoss):
     (Skywork-OR1, arXiv 2505.22312; TRL `use_adaptive_entropy`): after each optimizer step the
     coefficient rises by `entropy_coef_delta` when that step's mean entropy was <= target and falls
     otherwise, within [entropy_coef_min, entropy_coef_max]; it applies only while the last mean
-    entropy was <= target, and starts at `entropy_coef`."""
+    entropy was <= target, and starts at `entropy_coef`. `positive_nll` mu > 0 adds mu times the
+    negative log-likelihood of every token of a row whose reward is positive (VAPO's positive-sample
+    NLL, arXiv 2504.05118, mu 0.1; NeMo RL), normalised by the aggregator like the rest of the loss."""
 
     def __init__(
         self,
@@ -129,8 +131,10 @@ class Regularised(PolicyLoss):
         entropy_coef_delta: float = 0.005,
         entropy_coef_min: float = 0.0,
         entropy_coef_max: float = 1.0,
+        positive_nll: float = 0.0,
     ):
         require(beta >= 0, f"loss.beta must be >= 0, got {beta}")
+        require(positive_nll >= 0, f"loss.positive_nll must be >= 0, got {positive_nll}")
         require(kl_estimator in KL_ESTIMATORS, f"loss.kl_estimator must be one of k1, k2, k3, got {kl_estimator!r}")
         require(
             kl_placement in ("loss", "reward"), f"loss.kl_placement must be 'loss' or 'reward', got {kl_placement!r}"
@@ -146,6 +150,7 @@ class Regularised(PolicyLoss):
         self.entropy_grad = entropy_coef != 0 or entropy_target is not None
         self.drop_truncated, self.kl_is_weighted = drop_truncated, kl_is_weighted
         self.top_entropy_quantile, self.selects_tokens = top_entropy_quantile, top_entropy_quantile < 1
+        self.positive_nll = positive_nll
 
     def surrogate(self, logp, old_logp, adv, mask) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
@@ -161,6 +166,8 @@ class Regularised(PolicyLoss):
         loss, stats = self.weighted_surrogate(x)  # [n, Tc]
         if x.select is not None:
             loss = loss * x.select
+        if self.positive_nll and x.reward is not None:
+            loss = loss - self.positive_nll * x.logp * (x.reward > 0)[:, None]  # [n, Tc]
         if x.ref_logp is not None:
             kl = kl_estimate(x.logp, x.ref_logp, self.kl_estimator)  # [n, Tc]
             stats["kl"] = kl.detach()

@@ -1,5 +1,5 @@
-"""Policy losses without PPO's ratio clipping (config group `loss`): GPG's plain policy gradient
-and DPPO's divergence mask."""
+"""Policy losses without PPO's ratio clipping (config group `loss`): GPG's plain policy gradient,
+DPPO's divergence mask, TOPR's tapered importance weights and Kimi k1.5's squared log-ratio."""
 
 from __future__ import annotations
 
@@ -43,3 +43,39 @@ class DPPO(Regularised):
                 up, down = (p > mu) & (kl > self.delta_high), (p < mu) & (kl > self.delta_low)
             dropped = ((adv > 0) & up) | ((adv < 0) & down)  # [n, Tc]
         return -ratio * adv * (~dropped), {"masked_frac": dropped.float(), "ratio_dev": (ratio - 1).abs().detach()}
+
+
+class TOPR(Regularised):
+    """TOPR, tapered off-policy REINFORCE (Le Roux et al. 2025, arXiv 2503.14286; ROLL `topr`): a
+    row with a positive reward is trained like supervised learning, -A log pi (no importance
+    weight); any other row with its importance weight truncated to [0, 1] and its gradient stopped,
+    -sg(clip(r, 0, 1)) A log pi, so negative examples cannot push pi_theta far below pi_old.
+    `positive_weight` and `negative_weight` scale the two parts (1 and 1, as the paper)."""
+
+    def __init__(self, positive_weight: float = 1.0, negative_weight: float = 1.0, **regularise):
+        super().__init__(**regularise)
+        self.weights = positive_weight, negative_weight
+
+    def weighted_surrogate(self, x):
+        require(x.reward is not None, "loss=topr splits rows by their reward; this loss input has none")
+        positive = (x.reward > 0)[:, None].float()  # [n, 1]
+        ratio = torch.exp(x.logp - x.old_logp).detach()  # [n, Tc]
+        weight = self.weights[0] * positive + self.weights[1] * (1 - positive) * ratio.clamp(0, 1)  # [n, Tc]
+        loss = -weight * x.adv * x.logp  # [n, Tc]
+        stats = {"truncated_frac": ((1 - positive) * (ratio > 1)).expand_as(loss), "ratio_dev": (ratio - 1).abs()}
+        return (loss if x.is_weight is None else loss * x.is_weight), stats
+
+
+class Kimi(Regularised):
+    """The Kimi k1.5 policy loss (Kimi Team 2025, arXiv 2501.12599, eq. 3; ROLL `kimi15`):
+    -A log pi_theta + tau/2 (log pi_theta - log pi_old)^2 per token, a plain policy gradient with a
+    squared log-ratio penalty in place of ratio clipping; `tau` 0.1 (ROLL's default)."""
+
+    def __init__(self, tau: float = 0.1, **regularise):
+        super().__init__(**regularise)
+        require(tau >= 0, f"loss.tau must be >= 0, got {tau}")
+        self.tau = tau
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        log_ratio = logp - old_logp  # [n, Tc]
+        return -adv * logp + 0.5 * self.tau * log_ratio**2, {"ratio_dev": (log_ratio.exp() - 1).abs().detach()}

@@ -207,6 +207,7 @@ class LossInput:
     entropy: torch.Tensor | None = None  # the policy's token entropy; with gradient under an entropy bonus
     is_weight: torch.Tensor | None = None  # the off-policy correction's weights (no gradient)
     select: torch.Tensor | None = None  # 0/1: the tokens the policy term acts on (top-entropy selection)
+    reward: torch.Tensor | None = None  # [n] each row's outcome reward with shaping (losses that split by it)
 
 
 @dataclass

@@ -49,7 +49,7 @@ PARALLEL_CASES = {
     "shard": ["parallel=shard", "optim.micro_batch_size=0"],  # sharded policy and reference (one process: unsharded)
     "shared_prefix": ["optim.share_prefix=always", "optim.micro_batch_size=0"],  # each rank's groups share prompts
     # the example plugin's batch-wide std (experiments/plugins), taken over both processes' groups
-    "example_plugin": ["advantage=dr_grpo", "advantage._target_=rlkit_example_plugin.advantage.ReinforcePPBaseline"],
+    "example_plugin": ["advantage=dr_grpo", "advantage._target_=rlkit_example_plugin.advantage.BatchStdBaseline"],
 }
 
 

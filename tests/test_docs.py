@@ -150,7 +150,7 @@ def test_every_shown_command_composes(page, cmd, tmp_path, monkeypatch):
         (tmp_path / name).write_text(content)
     monkeypatch.chdir(ROOT if "rlkit-study" in cmd or "pip install" in cmd else tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    if "advantage=reinforce_pp" in cmd:  # what the installed example plugin's search-path plugin adds
+    if "advantage=batch_std_baseline" in cmd:  # what the installed example plugin's search-path plugin adds
         monkeypatch.syspath_prepend(str(EXAMPLE_PLUGIN))
         cmd += " hydra.searchpath=[pkg://rlkit_example_plugin.conf]"
     check_command(cmd)

@@ -4,6 +4,7 @@ verl's and SkyRL's sources at the commits it records; this test imports neither)
 hand-worked numbers and properties from each paper's formula."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ import torch
 
 from rlkit.advantages import GRPO, DrGRPO
 from rlkit.group_advantages import GPG, OPO, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
-from rlkit.masked_losses import DPPO, PolicyGradient
-from rlkit.types import Rollout
+from rlkit.losses import PPOClip
+from rlkit.masked_losses import DPPO, TOPR, Kimi, PolicyGradient
+from rlkit.types import LossInput, Rollout
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "peer_reference.json").read_text())
 CASES = REFERENCE["cases"]
@@ -63,6 +65,31 @@ def test_the_plain_policy_gradient_and_dppo_give_the_peers_losses(case):
     for kind in ("binary_tv", "binary_kl"):
         loss, stats = DPPO(kind, 0.1, 0.1).surrogate(x["logp"], x["old_logp"], x["adv"], x["mask"])
         assert (loss * x["mask"]).sum().item() == pytest.approx(case["outputs"][f"dppo_{kind}"], rel=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+def test_topr_and_the_kimi_loss_give_roll_s_per_token_losses(case):
+    x = {k: torch.tensor(case["inputs"][k]) for k in ("logp", "old_logp", "adv", "mask", "scores")}
+    topr, _ = TOPR().weighted_surrogate(LossInput(x["logp"], x["old_logp"], x["adv"], x["mask"], reward=x["scores"]))
+    torch.testing.assert_close(topr, torch.tensor(case["outputs"]["topr"]), rtol=1e-6, atol=1e-6)
+    kimi, _ = Kimi(tau=0.1).surrogate(x["logp"], x["old_logp"], x["adv"], x["mask"])
+    torch.testing.assert_close(kimi, torch.tensor(case["outputs"]["kimi"]), rtol=1e-6, atol=1e-6)
+
+
+def test_topr_tapers_only_negative_rows_and_the_positive_nll_acts_only_on_positive_rows():
+    """Row 0 rewarded 1, row 1 rewarded 0, both with ratio e^0.5 > 1 and A = 1: TOPR's gradient on
+    row 0 is -A (weight 1), on row 1 -min(r, 1) A = -1 too, and at ratio e^-0.5 it is -e^-0.5 on
+    row 1 only. The positive NLL adds -mu log pi to row 0 alone."""
+    old = torch.zeros(2, 1)
+    for shift, negative_weight in ((0.5, 1.0), (-0.5, math.exp(-0.5))):
+        logp = (old + shift).requires_grad_()
+        x = LossInput(logp, old, torch.ones(2, 1), torch.ones(2, 1), reward=torch.tensor([1.0, 0.0]))
+        TOPR().weighted_surrogate(x)[0].sum().backward()
+        assert logp.grad[:, 0].tolist() == pytest.approx([-1.0, -negative_weight])
+    logp = torch.full((2, 1), -0.3, requires_grad=True)
+    x = LossInput(logp, logp.detach(), torch.zeros(2, 1), torch.ones(2, 1), reward=torch.tensor([1.0, 0.0]))
+    loss, _ = PPOClip(positive_nll=0.1)(x)
+    assert loss[:, 0].tolist() == pytest.approx([0.03, 0.0])
 
 
 def hand(rewards: list[float], G: int, lengths=None) -> Rollout:

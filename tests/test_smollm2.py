@@ -342,6 +342,9 @@ NEW_VARIANTS = [
     "algo=reinforce_pp",
     "loss=pg",
     "loss=dppo",
+    "loss=topr",
+    "loss=kimi",
+    "loss.positive_nll=0.1",
 ]
 
 

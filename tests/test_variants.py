@@ -57,10 +57,12 @@ def test_every_group_has_the_documented_options():
         "dppo",
         "gmpo",
         "gspo",
+        "kimi",
         "kl_cov",
         "pg",
         "ppo_clip",
         "sapo",
+        "topr",
         "vespo",
     ]
     assert options("correction") == ["mis", "none", "opsm", "seq_mis", "seq_tis", "tis"]
@@ -185,9 +187,9 @@ def cli(args, tmp_path, **env):
 
 @pytest.mark.slow
 def test_installed_style_plugin_is_found_by_its_search_path_plugin(tmp_path):
-    out = cli(["advantage=reinforce_pp"], tmp_path, PYTHONPATH=str(PLUGINS))
+    out = cli(["advantage=batch_std_baseline"], tmp_path, PYTHONPATH=str(PLUGINS))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "ReinforcePPBaseline" in (tmp_path / ".hydra" / "config.yaml").read_text()
+    assert "BatchStdBaseline" in (tmp_path / ".hydra" / "config.yaml").read_text()
 
 
 @pytest.mark.slow

@@ -1,4 +1,6 @@
-"""REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262) as an rlkit plugin."""
+"""An advantage estimator as an rlkit plugin: a group-mean baseline scaled by the batch's std of
+the centred rewards (close to rlkit's own `advantage.std_scope=batch`, which divides by the std of
+the rewards themselves)."""
 
 import torch
 
@@ -8,7 +10,7 @@ from rlkit.components import AdvantageEstimator
 from rlkit.tensors import centred
 
 
-class ReinforcePPBaseline(AdvantageEstimator):
+class BatchStdBaseline(AdvantageEstimator):
     """Subtract the group mean, then divide by the std of the whole batch (not of the group as
     GRPO does), so low-variance groups are not up-weighted. Under data parallel the batch is every
     process's groups together, so the std is taken over all of them (`parallel.mean_std`), and two
