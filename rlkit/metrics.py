@@ -166,10 +166,10 @@ def mismatch_metrics(
 ) -> dict:
     """How far the engine's sampling distribution mu is from the trainer's pi_old on the sampled
     tokens: k3 estimate of KL(mu || pi_old) (r - 1 - log r with r = pi_old/mu, samples from mu),
-    the ratio's mean, min and max, the mean |log r|, and the share of tokens with r outside
-    [c_min, c_max] (c_max None: no upper bound). When the engine's numbers are the trainer's: k3,
-    |log r| and the share outside are 0 and every ratio is 1. No masked token, or no log-probs of
-    either side (None): no metric (an empty dict), not zeros."""
+    the ratio's mean, min, max and its 5%, 50% and 95% quantiles, the mean log r and mean |log r|,
+    and the share of tokens with r outside [c_min, c_max] (c_max None: no upper bound). When the
+    engine's numbers are the trainer's: k3, log r and the share outside are 0 and every ratio is 1.
+    No masked token, or no log-probs of either side (None): no metric (an empty dict), not zeros."""
     if old_logp is None or behaviour_logp is None:
         return {}
     m = mask.bool()
@@ -183,6 +183,11 @@ def mismatch_metrics(
         "offpolicy/ratio_min": float(r.min()),
         "offpolicy/ratio_max": float(r.max()),
         "offpolicy/abs_log_ratio": float(log_r.abs().mean()),
+        "offpolicy/log_ratio_mean": float(log_r.mean()),
+        **{
+            f"offpolicy/ratio_p{q:02d}": float(v)
+            for q, v in zip((5, 50, 95), r.quantile(r.new_tensor([0.05, 0.5, 0.95])))
+        },
         "offpolicy/outside_frac": float(((r < c_min) | (r > hi)).float().mean()),
     }
 

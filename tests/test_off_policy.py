@@ -100,3 +100,24 @@ def test_a_float32_engine_agrees_with_the_trainer_to_float_rounding(tmp_path, ca
     )
     run(make_cfg(["steps=1"], cache_dir=cache), str(tmp_path / "exact"))
     assert not any(k.startswith("offpolicy/") for k in metrics(tmp_path / "exact")[1])  # the trainer's own engine
+
+
+def test_the_mismatch_metrics_by_hand():
+    """Four tokens with log(pi_old / mu) = 0, 0, log 2, -log 4 (a fifth masked out): ratios 1, 1, 2,
+    1/4; quantiles by linear interpolation over the sorted ratios 1/4, 1, 1, 2."""
+    import math
+
+    from rlkit.metrics import mismatch_metrics
+
+    behaviour = torch.zeros(1, 5)
+    old = torch.tensor([[0.0, 0.0, math.log(2), -math.log(4), 9.0]])
+    m = mismatch_metrics(old, behaviour, torch.tensor([[1, 1, 1, 1, 0]]), c_min=0.5, c_max=2.0)
+    assert m["offpolicy/ratio_mean"] == pytest.approx((1 + 1 + 2 + 0.25) / 4)
+    assert (m["offpolicy/ratio_min"], m["offpolicy/ratio_max"]) == pytest.approx((0.25, 2.0))
+    assert m["offpolicy/log_ratio_mean"] == pytest.approx((math.log(2) - math.log(4)) / 4)
+    assert m["offpolicy/abs_log_ratio"] == pytest.approx((math.log(2) + math.log(4)) / 4)
+    assert m["offpolicy/ratio_p05"] == pytest.approx(0.25 + 0.15 * 0.75)  # 5% of the way: 0.15 of one gap
+    assert m["offpolicy/ratio_p50"] == pytest.approx(1.0)
+    assert m["offpolicy/ratio_p95"] == pytest.approx(1 + 0.85 * 1)
+    assert m["offpolicy/outside_frac"] == pytest.approx(0.25)  # 1/4 below 0.5; 2 is inside [0.5, 2]
+    assert m["offpolicy/k3"] == pytest.approx(((2 - 1 - math.log(2)) + (0.25 - 1 + math.log(4))) / 4)
