@@ -1,5 +1,6 @@
-"""Policy losses without PPO's ratio clipping (config group `loss`): GPG's plain policy gradient,
-DPPO's divergence mask, TOPR's tapered importance weights and Kimi k1.5's squared log-ratio."""
+"""Policy losses beyond PPO's clipped surrogate (config group `loss`): GPG's plain policy gradient,
+DPPO's divergence mask, TOPR's tapered importance weights, Kimi k1.5's squared log-ratio and
+CE-GPPO's gradient-preserving clip."""
 
 from __future__ import annotations
 
@@ -79,3 +80,32 @@ class Kimi(Regularised):
     def surrogate(self, logp, old_logp, adv, mask):
         log_ratio = logp - old_logp  # [n, Tc]
         return -adv * logp + 0.5 * self.tau * log_ratio**2, {"ratio_dev": (log_ratio.exp() - 1).abs().detach()}
+
+
+class CEGPPO(Regularised):
+    """CE-GPPO (Su et al. 2025, arXiv 2509.20712, as the authors' code has it): PPO's clip range,
+    but a token outside it keeps a bounded gradient instead of none. A < 0 below 1 - eps_low:
+    -beta_low (1 - eps_low) r / sg(r) A; A > 0 above 1 + eps_high: -beta_high (1 + eps_high) r / sg(r) A
+    (the clipped value, with the gradient of log pi scaled by beta (1 +- eps)); elsewhere -r A; and a
+    negative-advantage token's loss capped at -dual_clip A. beta_low < 1 keeps entropy from
+    collapsing, beta_high the reverse; 0.75 and 1.0 as the authors' 7B run, dual clip 3."""
+
+    def __init__(self, eps_low=0.2, eps_high=0.2, beta_low=0.75, beta_high=1.0, dual_clip=3.0, **regularise):
+        super().__init__(**regularise)
+        require(0 <= eps_low < 1 and eps_high >= 0, f"loss.eps_low in [0, 1), eps_high >= 0: {eps_low}, {eps_high}")
+        require(beta_low >= 0 and beta_high >= 0 and dual_clip > 1, "loss.beta_low, beta_high >= 0, dual_clip > 1")
+        self.eps, self.betas, self.dual_clip = (eps_low, eps_high), (beta_low, beta_high), dual_clip
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        ratio = torch.exp(logp - old_logp)  # [n, Tc]
+        kept = ratio / ratio.detach()  # [n, Tc] 1, with the gradient of log pi
+        low = (ratio < 1 - self.eps[0]) & (adv < 0)
+        high = (ratio > 1 + self.eps[1]) & (adv > 0)
+        loss = torch.where(low, -self.betas[0] * (1 - self.eps[0]) * kept * adv, -ratio * adv)  # [n, Tc]
+        loss = torch.where(high, -self.betas[1] * (1 + self.eps[1]) * kept * adv, loss)
+        loss = torch.where(adv < 0, torch.minimum(loss, -self.dual_clip * adv), loss)  # [n, Tc]
+        return loss, {
+            "clip_frac_low": low.float(),
+            "clip_frac_high": high.float(),
+            "ratio_dev": (ratio - 1).abs().detach(),
+        }

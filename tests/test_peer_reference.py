@@ -13,7 +13,7 @@ import torch
 from rlkit.advantages import GRPO, DrGRPO
 from rlkit.group_advantages import GPG, OPO, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
 from rlkit.losses import PPOClip
-from rlkit.masked_losses import DPPO, TOPR, Kimi, PolicyGradient
+from rlkit.masked_losses import CEGPPO, DPPO, TOPR, Kimi, PolicyGradient
 from rlkit.types import LossInput, Rollout
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "peer_reference.json").read_text())
@@ -74,6 +74,32 @@ def test_topr_and_the_kimi_loss_give_roll_s_per_token_losses(case):
     torch.testing.assert_close(topr, torch.tensor(case["outputs"]["topr"]), rtol=1e-6, atol=1e-6)
     kimi, _ = Kimi(tau=0.1).surrogate(x["logp"], x["old_logp"], x["adv"], x["mask"])
     torch.testing.assert_close(kimi, torch.tensor(case["outputs"]["kimi"]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+def test_ce_gppo_gives_the_authors_loss_and_gradient(case):
+    """The token-mean loss and its gradient with respect to the log-probs (the point of the loss: the
+    clipped tokens' gradients), against the CE-GPPO authors' function at beta 0.75 / 1.0."""
+    x = {k: torch.tensor(case["inputs"][k]) for k in ("logp", "old_logp", "adv", "mask")}
+    logp = x["logp"].clone().requires_grad_()
+    loss, _ = CEGPPO().surrogate(logp, x["old_logp"], x["adv"], x["mask"])
+    mean = (loss * x["mask"]).sum() / x["mask"].sum()
+    mean.backward()
+    assert mean.item() == pytest.approx(case["outputs"]["ce_gppo_loss"], rel=1e-6)
+    torch.testing.assert_close(logp.grad, torch.tensor(case["outputs"]["ce_gppo_grad"]), rtol=1e-6, atol=1e-7)
+
+
+def test_ce_gppo_with_betas_of_zero_is_ppo_with_dual_clip():
+    """beta 0 removes the clipped tokens' gradients: PPO's clip (with its dual clip of 3)."""
+    g = torch.Generator().manual_seed(5)
+    old, adv = -2 * torch.rand(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    grads = []
+    for loss_fn in (CEGPPO(beta_low=0.0, beta_high=0.0), PPOClip(dual_clip=3.0)):
+        logp = (old + 0.4 * torch.randn(6, 5, generator=g.manual_seed(6))).requires_grad_()
+        loss_fn.surrogate(logp, old, adv, torch.ones(6, 5))[0].sum().backward()
+        grads.append(logp.grad)
+    torch.testing.assert_close(*grads)
+    assert (grads[0] == 0).any()  # some token was clipped
 
 
 def test_topr_tapers_only_negative_rows_and_the_positive_nll_acts_only_on_positive_rows():

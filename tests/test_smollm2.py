@@ -344,6 +344,7 @@ NEW_VARIANTS = [
     "loss=dppo",
     "loss=topr",
     "loss=kimi",
+    "loss=ce_gppo",
     "loss.positive_nll=0.1",
 ]
 

@@ -52,6 +52,7 @@ def test_every_group_has_the_documented_options():
         "rloo",
     ]
     assert options("loss") == [
+        "ce_gppo",
         "cispo",
         "clip_cov",
         "dppo",
@@ -108,15 +109,17 @@ def update_numbers(lines: list[dict]) -> list:
 # options that act only under a condition the small default run may not meet, and that condition:
 # dynamic sampling needs a group without signal (likelier with 2 completions), KL-Cov's penalty is 0
 # at the first update of a rollout (logp = old logp), and the sequence mask needs a sequence past delta,
-# as DPPO's token mask needs a token past delta (else it is PPO's unclipped ratio)
+# as DPPO's token mask needs a token past delta and CE-GPPO a clipped token (else each is PPO at ratio 1)
 ENGAGE = {
     "sampler=dapo": "rollout.group_size=2",
     "loss=kl_cov": "optim.mini_batches=2",
     "loss=dppo": "optim.mini_batches=2",
+    "loss=ce_gppo": "optim.mini_batches=2",
 }
 OWN_OPTION = {
     f"correction=opsm {OFF_POLICY}": "correction.delta=0",
     "loss=dppo": "loss.delta_low=1e-3 loss.delta_high=1e-3",
+    "loss=ce_gppo": "loss.eps_low=1e-4 loss.eps_high=1e-4",
 }
 
 
