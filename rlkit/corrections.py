@@ -103,3 +103,28 @@ class OffPolicySequenceMask(Correction):
         kl = seq_mean(behaviour_logp - logp.detach(), mask)  # [n, 1]
         drop = (seq_mean(adv, mask) < 0) & (kl > self.delta)  # [n, 1]
         return (~drop).float().expand_as(mask).clone(), {"seq_masked": drop.float().expand_as(mask)}  # [n, Tc]
+
+
+class SecondMomentMask(Correction):
+    """M2PO (Zheng et al. 2025, arXiv 2510.01161; AReaL `m2_threshold`): the tokens with the largest
+    squared log-ratio (log pi_old - log mu)^2 are masked out (weight 0), largest first, until the
+    mean over the tokens kept is below `threshold`; every other token keeps weight 1 (at least one
+    is kept). Only extreme outliers of a stale or lower-precision engine lose their gradient, so
+    the second moment of the importance weights stays bounded. Taken over each micro-batch, as
+    AReaL does; 0.04 as its example."""
+
+    def __init__(self, threshold: float = 0.04):
+        require(threshold > 0, f"correction.threshold must be > 0, got {threshold}")
+        self.threshold = threshold
+
+    def __call__(self, logp, old_logp, behaviour_logp, adv, mask):
+        m2 = ((old_logp - behaviour_logp) ** 2)[mask.bool()]  # [k] the masked tokens'
+        ordered, order = m2.sort(descending=True)  # [k] each
+        counts = torch.arange(len(m2), 0, -1, dtype=m2.dtype)  # [k] tokens from each index on
+        below = (ordered.flip(0).cumsum(0).flip(0) / counts < self.threshold).nonzero()  # [j, 1]
+        drop = int(below[0]) if len(below) else max(len(m2) - 1, 0)  # the largest `drop` go
+        kept = torch.ones_like(m2, dtype=torch.bool)  # [k]
+        kept[order[:drop]] = False
+        weights = torch.zeros_like(old_logp)  # [n, Tc]
+        weights[mask.bool()] = kept.to(weights.dtype)
+        return weights, {"m2_masked": (weights == 0).float() * mask}

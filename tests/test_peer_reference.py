@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlkit.advantages import GRPO, DrGRPO
+from rlkit.corrections import SecondMomentMask
 from rlkit.group_advantages import GPG, OPO, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
 from rlkit.losses import PPOClip
 from rlkit.masked_losses import CEGPPO, DPPO, TOPR, Kimi, PolicyGradient
@@ -100,6 +101,26 @@ def test_ce_gppo_with_betas_of_zero_is_ppo_with_dual_clip():
         grads.append(logp.grad)
     torch.testing.assert_close(*grads)
     assert (grads[0] == 0).any()  # some token was clipped
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+def test_the_m2po_mask_is_areal_s(case):
+    """AReaL's behaviour log-probs are the fixture's old_logp and its proximal ones the fixture's
+    logp: in rlkit's terms mu and pi_old."""
+    x = {k: torch.tensor(case["inputs"][k]) for k in ("logp", "old_logp", "adv", "mask")}
+    weights, _ = SecondMomentMask(0.04)(None, x["logp"], x["old_logp"], x["adv"], x["mask"])
+    reference = torch.tensor(case["outputs"]["m2po_mask"])
+    assert torch.equal(weights * x["mask"], reference * x["mask"])
+    assert 0 < (weights * x["mask"]).sum() < x["mask"].sum()  # some tokens masked, some kept
+
+
+def test_m2po_masks_the_largest_until_the_mean_of_the_rest_is_under_the_threshold():
+    """Squared log-ratios 0.09, 0.04, 0.01, 0 with a threshold of 0.03: the mean of all four is
+    0.035, without the largest 0.0167: one token masked."""
+    behaviour = torch.zeros(1, 4)
+    old = torch.tensor([[0.3, -0.2, 0.1, 0.0]])
+    weights, _ = SecondMomentMask(0.03)(None, old, behaviour, torch.ones(1, 4), torch.ones(1, 4))
+    assert weights.tolist() == [[0.0, 1.0, 1.0, 1.0]]
 
 
 def test_topr_tapers_only_negative_rows_and_the_positive_nll_acts_only_on_positive_rows():

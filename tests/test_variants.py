@@ -66,7 +66,7 @@ def test_every_group_has_the_documented_options():
         "topr",
         "vespo",
     ]
-    assert options("correction") == ["mis", "none", "opsm", "seq_mis", "seq_tis", "tis"]
+    assert options("correction") == ["m2po", "mis", "none", "opsm", "seq_mis", "seq_tis", "tis"]
     assert options("engine") == ["kv_cache", "off_policy"]
 
 
@@ -118,6 +118,7 @@ ENGAGE = {
 }
 OWN_OPTION = {
     f"correction=opsm {OFF_POLICY}": "correction.delta=0",
+    f"correction=m2po {OFF_POLICY}": "correction.threshold=1e-6",  # a bf16 engine's (log rho)^2 is about 4e-5
     "loss=dppo": "loss.delta_low=1e-3 loss.delta_high=1e-3",
     "loss=ce_gppo": "loss.eps_low=1e-4 loss.eps_high=1e-4",
 }
