@@ -1,7 +1,8 @@
 """More outcome-reward advantage estimators (config group `advantage`), each a different baseline
 or scale for the group-relative advantage: REINFORCE++ and its group baseline (batch whitening),
 MaxRL (normalised by the group mean), GPG (rescaled by the share of non-zero rewards), OPO (a
-length-weighted group baseline) and the pass@k advantage (only a group's best completion)."""
+length-weighted group baseline), the pass@k advantage (only a group's best completion) and KRPO
+(a Kalman-filtered running baseline)."""
 
 from __future__ import annotations
 
@@ -104,4 +105,26 @@ class PassK(AdvantageEstimator):
         if self.std:
             gap = gap / (rewards.std(1) + self.eps)
         adv = torch.zeros_like(rewards).scatter(1, index[:, :1], gap[:, None])  # [P, G]
+        return per_token(adv, r)  # [N, Tc]
+
+
+class KRPO(AdvantageEstimator):
+    """KRPO (Wang et al. 2025, arXiv 2505.07527, as the authors' code has it): a one-dimensional
+    Kalman filter runs over each group's rewards in completion order (state mean 0, variance 1 at
+    the start; process noise Q, measurement noise R); completion i's advantage is
+    (r_i - x_i) / (sqrt(P_i) + eps), x_i and P_i the filter's mean and variance after it has seen
+    r_i. Unlike GRPO's group mean, the baseline is a running estimate, so the advantages depend on
+    the completions' order."""
+
+    def __init__(self, process_var: float = 1e-5, meas_var: float = 1e-2, eps: float = 1e-8):
+        self.q, self.r, self.eps = process_var, meas_var, eps
+
+    def __call__(self, r, values=None) -> torch.Tensor:
+        rewards = grouped(r)  # [P, G]
+        x, p = torch.zeros(len(rewards)), torch.ones(len(rewards))  # [P] each, one filter per group
+        adv = torch.empty_like(rewards)  # [P, G]
+        for i in range(rewards.shape[1]):
+            gain = (p + self.q) / (p + self.q + self.r)  # [P]
+            x, p = x + gain * (rewards[:, i] - x), (1 - gain) * (p + self.q)
+            adv[:, i] = (rewards[:, i] - x) / (p.sqrt() + self.eps)
         return per_token(adv, r)  # [N, Tc]

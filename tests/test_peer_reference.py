@@ -12,7 +12,7 @@ import torch
 
 from rlkit.advantages import GRPO, DrGRPO
 from rlkit.corrections import SecondMomentMask
-from rlkit.group_advantages import GPG, OPO, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
+from rlkit.group_advantages import GPG, KRPO, OPO, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
 from rlkit.losses import PPOClip
 from rlkit.masked_losses import CEGPPO, DPPO, TOPR, Kimi, PolicyGradient
 from rlkit.types import LossInput, Rollout
@@ -41,6 +41,7 @@ ESTIMATORS = [
     ("maxrl", MaxRL, {}),
     ("passk_std", PassK, {"std": True}),
     ("passk", PassK, {"std": False}),
+    ("krpo", KRPO, {}),
 ]
 
 

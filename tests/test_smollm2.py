@@ -339,6 +339,7 @@ NEW_VARIANTS = [
     "advantage=gpg",
     "advantage=opo",
     "advantage=passk",
+    "advantage=krpo",
     "algo=reinforce_pp",
     "loss=pg",
     "loss=dppo",

@@ -24,6 +24,7 @@ def test_every_group_has_the_documented_options():
         "gae",
         "gpg",
         "grpo",
+        "krpo",
         "maxrl",
         "opo",
         "passk",
