@@ -1,4 +1,5 @@
-"""Metric sinks. `metrics.jsonl` in the run directory is the source of truth; wandb mirrors it."""
+"""Metric sinks. `metrics.jsonl` in the run directory is the source of truth; wandb and the
+trackers of `rlkit.trackers` (TensorBoard, MLflow; `logger.also`) mirror it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlkit import atomic
+from rlkit import atomic, trackers
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -46,7 +47,8 @@ def _truncate(path: Path, step: int) -> None:
 
 
 class JsonlLogger:
-    """One JSON line per step in `<run_dir>/metrics.jsonl`, sample completions in `samples.jsonl`.
+    """One JSON line per step in `<run_dir>/metrics.jsonl`, sample completions in `samples.jsonl`,
+    each mirrored to the trackers named in `also` (`tensorboard`, `mlflow`: `rlkit.trackers`).
     `run_info` holds the chosen config options (`choices`) and, in a sweep, the sweep's name."""
 
     def __init__(
@@ -56,6 +58,7 @@ class JsonlLogger:
         resume_step: int = 0,
         run_id: str | None = None,
         run_info: dict | None = None,
+        also: list | tuple = (),
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
@@ -66,6 +69,7 @@ class JsonlLogger:
             else:
                 p.write_text("")
         self.run_id = None
+        self.trackers = trackers.start(list(also), run_dir, flatten(run_config), resume_step, run_info or {})
 
     def log(self, step: int, metrics: dict) -> None:
         clean = {
@@ -73,13 +77,18 @@ class JsonlLogger:
         }
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
+        for t in self.trackers:
+            t.log(step, present(metrics))
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         with self.samples_path.open("a") as f:
             f.write(json.dumps({"step": step, "samples": samples}) + "\n")
+        for t in self.trackers:
+            t.log_samples(step, samples)
 
     def finish(self) -> None:
-        pass
+        for t in self.trackers:
+            t.finish()
 
 
 class NullLogger:
@@ -115,8 +124,9 @@ class WandbLogger(JsonlLogger):
         name: str | None = None,
         run_id: str | None = None,
         run_info: dict | None = None,
+        also: list | tuple = (),
     ):
-        super().__init__(run_dir, run_config, resume_step)
+        super().__init__(run_dir, run_config, resume_step, run_info=run_info, also=also)
         info = run_info or {}
         choices = info.get("choices", {})
         self.run = None
@@ -157,5 +167,6 @@ class WandbLogger(JsonlLogger):
             )
 
     def finish(self) -> None:
+        super().finish()
         if self.run is not None:
             self.run.finish()
