@@ -144,12 +144,13 @@ def check_targets(config: dict) -> None:
     `environment.preamble`, a component's nested option, a key added with `+`) in the resolved
     `config` would be built by the component's constructor call, so it is refused before anything is built."""
     tree = {k: v for k, v in config.items() if k != "hydra"}
-    roots = {*GROUPS, "critic", *(f"reward.functions.{n}" for n in tree.get("reward", {}).get("functions") or {})}
+    functions = [f"reward.functions.{n}" for n in tree.get("reward", {}).get("functions") or {}]
+    roots = {*GROUPS, "critic", *functions, *(f"{f}.model" for f in functions)}  # a reward model's own model
     stray = stray_targets(tree, roots)
     if stray:
         raise ConfigError(
             f"{', '.join(stray)}: a _target_ names a class only at the top of a component ({', '.join(GROUPS)}, "
-            "critic, reward.functions.<name>); refusing to build anything from it"
+            "critic, reward.functions.<name> and its model); refusing to build anything from it"
         )
 
 

@@ -57,7 +57,7 @@ def make_rollout(run: Run, rows: list[dict]) -> Rollout:
     extra = turn_rewards(ep.each) if ep is not None else None  # [N] the environment's per-turn terms
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        rewards, by_fn = score(parts.task, parts.reward_fns, s.combine, rows, texts, G, timeout)  # [N], [N, K]
+        rewards, by_fn = score(parts.task, parts.reward_fns, s.combine, rows, texts, G, timeout, rt.timer)  # [N], [N,K]
         right = correct(parts.reward_fns, rewards, by_fn).to(rt.device)  # [N] before any shuffling
         rewards = rewards if extra is None else rewards + extra  # [N]
         rewards = shuffled(rewards, G, s.shuffle).to(rt.device)  # [N] the control: unrelated rewards

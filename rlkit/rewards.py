@@ -4,6 +4,7 @@ and DAPO's overlong punishment, which any run can switch on."""
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from functools import partial
 
 import numpy as np
@@ -84,15 +85,30 @@ def combine(parts: torch.Tensor, weights: list[float], group_size: int, mode: st
     return parts @ w
 
 
-def score(task, functions: dict, mode: str, rows: list[dict], texts: list[str], group_size: int, timeout_s: float = 0):
+def score(
+    task, functions: dict, mode: str, rows: list[dict], texts: list[str], group_size: int, timeout_s=0, timer=None
+):
     """Rewards of N completions: the task's own, or the reward functions' terms combined as `mode`
-    says; each call limited to `timeout_s` seconds.  -> rewards [N], terms [N, K] (None without functions)"""
+    says (`term`).  -> rewards [N], terms [N, K] (None without functions)"""
     if not functions:
         return task.score(rows, texts, timeout_s=timeout_s), None
-    parts = torch.stack(
-        [task.score(rows, texts, partial(fn, task=task), name, timeout_s) for name, fn in functions.items()], 1
-    )  # [N, K]
-    return combine(parts, [fn.weight for fn in functions.values()], group_size, mode), parts
+    parts = torch.stack([term(task, fn, name, rows, texts, timeout_s, timer) for name, fn in functions.items()], 1)
+    return combine(parts, [fn.weight for fn in functions.values()], group_size, mode), parts  # [N], [N, K]
+
+
+def term(task, fn, name: str, rows: list[dict], texts: list[str], timeout_s: float, timer=None) -> torch.Tensor:
+    """One reward function's values for N completions: a batched one (a model, `fn.batch`) in one
+    call, timed as `reward_<name>` by `timer`; any other per completion, each call limited to
+    `timeout_s` seconds.  -> [N]"""
+    if not hasattr(fn, "batch"):
+        return task.score(rows, texts, partial(fn, task=task), name, timeout_s)
+    with timer(f"reward_{name}") if timer is not None else nullcontext():
+        values = torch.tensor(fn.batch(rows, texts), dtype=torch.float)  # [N]
+    require(
+        values.shape == (len(texts),) and bool(torch.isfinite(values).all()),
+        f"reward.functions.{name}: its batch gave {values.tolist()} for {len(texts)} completions, not finite numbers",
+    )
+    return values
 
 
 def correct(functions: dict, rewards: torch.Tensor, parts: torch.Tensor | None) -> torch.Tensor:
