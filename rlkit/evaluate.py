@@ -99,6 +99,7 @@ def evaluate(
     policy=None,
     environment=None,
     coupled: bool = False,
+    seconds: dict | None = None,
 ) -> dict:
     """Greedy accuracy, the share of answers that hold the right answer anywhere (`eval/present`,
     the task's lenient score) and mean completion length (tokens) of correct and incorrect answers;
@@ -110,15 +111,32 @@ def evaluate(
     With the `policy`, also its entropy on a fixed probe set (`probe_entropy`); with a multi-turn
     `environment`, each answer is an episode and the environment's metrics of the greedy episodes
     come too (`eval/tool_use`, ...). `coupled`: each sample's uniforms keyed by the seed, its
-    prompt and its index among the prompt's n (`rlkit.draws`), whatever the batch."""
-    rows_all = task.eval.to_list()
+    prompt and its index among the prompt's n (`rlkit.draws`), whatever the batch. `seconds`: a
+    dict that receives the seconds of each part (`eval_greedy`, `eval_probe`, `eval_sampled`)."""
+    rows_all, clock = task.eval.to_list(), Clock(seconds)
     greedy = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens, environment=environment)
     out = greedy_metrics(task, rows_all, greedy, environment)
+    clock.lap("eval_greedy")
     out.update(probe_entropy(policy, tokenizer, task, batch_size))
+    clock.lap("eval_probe")
     if samples:
         how = Sampling(batch_size, max_new_tokens, temperature, top_p, seed, environment, coupled)
         out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, how, pass_k))
+        clock.lap("eval_sampled")
     return out
+
+
+class Clock:
+    """Seconds since the last lap, added to `seconds[name]` at each lap (no dict: not kept)."""
+
+    def __init__(self, seconds: dict | None):
+        self.seconds, self.t = seconds, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.seconds is not None:
+            self.seconds[name] = self.seconds.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 def greedy_metrics(task, rows: list[dict], greedy: Answers, environment) -> dict:
@@ -190,19 +208,26 @@ def sampled_answers(engine, tokenizer, task, rows: list[dict], n: int, how: Samp
         return answers(engine, tokenizer, task, repeated, *how[:4], environment=how.environment, keyed=keyed, n=n)
 
 
-def held_out(run) -> dict:
+def held_out(run, seconds: dict | None = None) -> dict:
     """`evaluate` of a run (`rlkit.state.Run`) as it stands: the engine's latest weights, the run's
     evaluation settings, the policy's probe entropy."""
     p = run.parts
     return evaluate(
-        p.engine.latest(), p.tokenizer, p.task, **run.settings.evaluation, policy=p.policy, environment=p.environment
+        p.engine.latest(),
+        p.tokenizer,
+        p.task,
+        **run.settings.evaluation,
+        policy=p.policy,
+        environment=p.environment,
+        seconds=seconds,
     )
 
 
 def timed_eval(run) -> tuple[dict, float]:
-    """The held-out evaluation and its seconds, which the run's accounts keep."""
-    t = time.perf_counter()
-    out = held_out(run)
+    """The held-out evaluation (with the seconds of its parts as `time/eval_greedy`, ...) and its
+    seconds, which the run's accounts keep."""
+    t, parts = time.perf_counter(), {}
+    out = held_out(run, parts)
     seconds = time.perf_counter() - t
     run.runtime.spend("eval", seconds)
-    return out, seconds
+    return {**out, **{f"time/{k}": v for k, v in parts.items()}}, seconds
