@@ -361,3 +361,25 @@ def test_each_newer_estimator_and_loss_takes_a_real_model_step(tmp_path):
         rows = metrics(tmp_path / str(i))
         assert [r["step"] for r in rows] == [0, 1], option
         assert math.isfinite(rows[1]["train/loss"]) and math.isfinite(rows[1]["train/grad_norm"]), option
+
+
+def test_smollm2_as_a_judge_scores_in_its_chat_template_and_a_run_logs_its_term(tmp_path):
+    """The packaged SmolLM2 as the judge of `rewards=judge`: the question goes through its chat
+    template, a batch scores what each text alone would, and a real-model step logs the term."""
+    from rlkit.reward_models import conversation
+
+    judge = build(make_cfg(["rewards=judge"]), "reward.functions.judge")
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}, {"prompt": "What is 2 + 2?", "answer": "4"}]
+    replies = ["The answer is 7.", "I think it is 5, or maybe 22."]
+    texts = judge.texts(rows, replies)
+    assert texts[0] == conversation(judge.tokenizer, judge.template.format(**rows[0], completion=replies[0]))
+    assert texts[0].startswith("<|im_start|>") and texts[0].endswith("<|im_start|>assistant\n")
+    scores = judge.batch(rows, replies)
+    for text, score in zip(texts, scores):
+        ids = judge.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            last = judge.model(input_ids=ids).logits[0, -1]
+        assert score == pytest.approx(float(last[judge.tokens].softmax(-1)[0]), abs=1e-5)
+    run(small(*LORA, "rewards=judge", "checkpoint.every=0"), str(tmp_path))
+    step = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
+    assert 0 < step["reward/judge"] < 1 and 0 < step["time/reward_judge"] <= step["time/score"]
