@@ -120,7 +120,7 @@ class SecondMomentMask(Correction):
     def __call__(self, logp, old_logp, behaviour_logp, adv, mask):
         m2 = ((old_logp - behaviour_logp) ** 2)[mask.bool()]  # [k] the masked tokens'
         ordered, order = m2.sort(descending=True)  # [k] each
-        counts = torch.arange(len(m2), 0, -1, dtype=m2.dtype)  # [k] tokens from each index on
+        counts = torch.arange(len(m2), 0, -1, dtype=m2.dtype, device=m2.device)  # [k] tokens from each index on
         below = (ordered.flip(0).cumsum(0).flip(0) / counts < self.threshold).nonzero()  # [j, 1]
         drop = int(below[0]) if len(below) else max(len(m2) - 1, 0)  # the largest `drop` go
         kept = torch.ones_like(m2, dtype=torch.bool)  # [k]

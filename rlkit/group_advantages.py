@@ -18,9 +18,9 @@ def token_returns(r) -> torch.Tensor:
     """Undiscounted return at each of the model's tokens: the outcome reward (and shaping) on its
     last token, less the KL penalty of this token and every later one.  -> [N, Tc]"""
     mask = r.action_mask.float()  # [N, Tc]
-    last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(-1)  # [N] the model's last token
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1)  # [N] the model's last token
     rewards = torch.zeros_like(mask)  # [N, Tc]
-    rewards[torch.arange(len(last)), last] = r.rewards.float() + r.shaping.float()
+    rewards[torch.arange(len(last), device=mask.device), last] = r.rewards.float() + r.shaping.float()
     if r.kl_penalty is not None:
         rewards = rewards - r.kl_penalty * mask
     return rewards.flip(-1).cumsum(-1).flip(-1) * mask  # [N, Tc]
@@ -72,7 +72,7 @@ class GPG(AdvantageEstimator):
 
     def __call__(self, r, values=None) -> torch.Tensor:
         returns = sequence_returns(r)  # [N]
-        counts = parallel.total(torch.tensor([float(len(returns)), float((returns != 0).sum())]))  # [2] B, M
+        counts = parallel.total(returns.new_tensor([float(len(returns)), float((returns != 0).sum())]))  # [2] B, M
         alpha = counts[0] / counts[1].clamp(min=1)
         return per_token(alpha * centred(grouped(r))[0] / self.f_norm, r)  # [N, Tc]
 
@@ -121,7 +121,7 @@ class KRPO(AdvantageEstimator):
 
     def __call__(self, r, values=None) -> torch.Tensor:
         rewards = grouped(r)  # [P, G]
-        x, p = torch.zeros(len(rewards)), torch.ones(len(rewards))  # [P] each, one filter per group
+        x, p = rewards.new_zeros(len(rewards)), rewards.new_ones(len(rewards))  # [P] each, one filter per group
         adv = torch.empty_like(rewards)  # [P, G]
         for i in range(rewards.shape[1]):
             gain = (p + self.q) / (p + self.q + self.r)  # [P]
