@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from scipy.stats import f as f_dist
+
 from rlkit.analysis.stats import seeds_for_power
 
 HERE = Path(__file__).resolve().parent
@@ -107,6 +109,13 @@ def spread(coupling: str, metric: str, how: str) -> dict:
     return {"differences": diffs, "mean": statistics.fmean(diffs), "sd": statistics.stdev(diffs)}
 
 
+def ratio_interval(ratio: float, n: int) -> list[float]:
+    """A 95% interval for a ratio of two sds from n values each, by the F distribution (as if the
+    two sets of differences were independent samples; they share seeds, so it is approximate)."""
+    lo, hi = f_dist.ppf([0.975, 0.025], n - 1, n - 1)
+    return [ratio / math.sqrt(lo), ratio / math.sqrt(hi)]
+
+
 def curve_sd(coupling: str, metric: str = "train/reward") -> float:
     """The per-step difference curve's spread: the sd across seeds of each step's difference,
     averaged over steps 1-20."""
@@ -140,12 +149,36 @@ def analyse() -> dict:
             row[c]["seeds_needed"] = seeds_for_power(delta, row[c]["sd"], True) if row[c]["sd"] > 0 else None
         u, k = row["uncoupled"]["sd"], row["coupled"]["sd"]
         row["sd_ratio"] = k / u if u > 0 else math.nan
+        row["sd_ratio_95"] = ratio_interval(row["sd_ratio"], len(SEEDS))
         row["smallest_effect"] = delta
         out["primaries"][f"{how} {metric}"] = row
     out["curve_sd_train_reward"] = {c: curve_sd(c) for c in COUPLING}
     out["shared_completions_by_step"] = {c: shared(c) for c in COUPLING}
     (RESULTS / "analysis.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def table(out: dict) -> str:
+    """The README's table: per primary, the paired spread each way, their ratio and the seeds a
+    paired t-test needs at the smallest effect (alpha 0.05, power 0.8)."""
+    lines = [
+        "| primary (dr_grpo - grpo) | smallest effect | sd uncoupled | sd coupled | ratio [95%] | seeds uncoupled"
+        " | seeds coupled |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in out["primaries"].items():
+        u, c = row["uncoupled"], row["coupled"]
+        lines.append(
+            f"| {name} | {row['smallest_effect']:g} | {u['sd']:.4f} | {c['sd']:.4f} | {row['sd_ratio']:.2f} "
+            f"[{row['sd_ratio_95'][0]:.2f}, {row['sd_ratio_95'][1]:.2f}] | "
+            f"{u['seeds_needed']} | {c['seeds_needed']} |"
+        )
+    curve = out["curve_sd_train_reward"]
+    lines.append(
+        f"| per-step train/reward difference (sd, mean over steps) | | {curve['uncoupled']:.4f} | "
+        f"{curve['coupled']:.4f} | {curve['coupled'] / curve['uncoupled']:.2f} | | |"
+    )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -157,7 +190,12 @@ def main() -> None:
     if args.what == "run":
         run(args.jobs, args.runs)
     else:
-        print(json.dumps(analyse(), indent=1))
+        out = analyse()
+        print(table(out))
+        print(
+            "shared completions by step:",
+            {c: [round(x, 2) for x in v] for c, v in out["shared_completions_by_step"].items()},
+        )
 
 
 if __name__ == "__main__":
