@@ -32,6 +32,11 @@ def sequence(spec, d: list[float], margin: float | None = None) -> Sequence:
     return track(d, spec.alpha, spec.sequential.prior if spec.sequential else 1.0, margin)
 
 
+def differences(paired: tuple[list[float], list[float]]) -> list[float]:
+    """b - a of each pair (`pair`'s baseline and arm values, in seed order)."""
+    return [y - x for x, y in zip(*paired)]
+
+
 # ---- the gates: each its check, its reason and its lines -------------------------------------------------------------
 
 
@@ -116,7 +121,7 @@ def sensitivity_gate(spec, values: dict) -> Gate:
     d = stats.paired(a, b, spec.alpha)
     p, said = d.p, d.describe()
     if spec.sequential:
-        s = sequence(spec, [y - x for x, y in zip(a, b)])
+        s = sequence(spec, differences((a, b)))
         p, said = s.p, s.describe()
     sign = 1 if direction == "higher" else -1
     seen = d.n >= MIN_PAIRS and p < spec.alpha and sign * d.diff >= delta
@@ -238,7 +243,7 @@ def primary_tests(spec, tested: list[str], pairs: dict, diffs: dict) -> tuple[di
     """Each treatment's confidence sequence (None in a fixed design) and its Holm-adjusted p of no
     difference and of TOST at the smallest effect: anytime-valid in a sequential design."""
     delta = spec.primary.smallest_effect
-    seqs = {a: sequence(spec, [y - x for x, y in zip(*pairs[a])], delta) if spec.sequential else None for a in tested}
+    seqs = {a: sequence(spec, differences(pairs[a]), delta) if spec.sequential else None for a in tested}
     sig = [seqs[a].p if seqs[a] else diffs[a].p for a in tested]
     eq = [seqs[a].p_inside if seqs[a] else diffs[a].tost(delta) for a in tested]
     return seqs, dict(zip(tested, stats.holm(sig))), dict(zip(tested, stats.holm(eq)))
@@ -317,7 +322,7 @@ def hopeless(spec, arms: dict, values: dict) -> list[str]:
     S = spec.sensitivity
     if S is not None:
         sign = 1 if (S.direction or spec.primary.direction) == "higher" else -1
-        lo, hi = sequence(spec, [y - x for x, y in zip(*pair(values, spec.baseline, S.arm))]).interval
+        lo, hi = sequence(spec, differences(pair(values, spec.baseline, S.arm))).interval
         if max(sign * lo, sign * hi) < spec.primary.smallest_effect:
             out.append(f"the positive control cannot reach the smallest effect (its sequence [{lo:.3g}, {hi:.3g}])")
     return out
