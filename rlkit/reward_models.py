@@ -34,7 +34,8 @@ def conversation(tokenizer, user: str, reply: str | None = None) -> str:
     """A user turn (and the assistant's reply) in the tokenizer's chat template; without one, the
     text itself (a reply follows its prompt on a new line)."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": user}] + ([{"role": "assistant", "content": reply}] if reply else [])
+        turns = [] if reply is None else [{"role": "assistant", "content": reply}]  # an empty reply is a turn too
+        messages = [{"role": "user", "content": user}, *turns]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=reply is None)
     return user if reply is None else f"{user}\n{reply}"
 

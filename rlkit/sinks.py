@@ -60,6 +60,7 @@ class JsonlLogger:
         run_info: dict | None = None,
         also: list | tuple = (),
     ):
+        trackers.check(also)  # a wrong name is refused before any file is touched
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)

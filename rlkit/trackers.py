@@ -108,10 +108,14 @@ def _param(key: str, value: str):
 TRACKERS = {"tensorboard": TensorBoard, "mlflow": MLflow}
 
 
-def start(names, run_dir: str, run_config: dict, resume_step: int, run_info: dict) -> list:
-    """The trackers `names` (each one of TRACKERS); one that cannot start is named, and left out."""
+def check(names) -> None:
+    """Each name one of TRACKERS (before the logger writes anything)."""
     unknown = [n for n in names if n not in TRACKERS]
     require(not unknown, f"logger.also: unknown tracker(s) {unknown}; known: {sorted(TRACKERS)}")
+
+
+def start(names, run_dir: str, run_config: dict, resume_step: int, run_info: dict) -> list:
+    """The trackers `names` (checked by `check`); one that cannot start is named, and left out."""
     out = []
     for name in names:
         try:

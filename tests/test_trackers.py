@@ -84,6 +84,7 @@ def test_a_resumed_run_continues_its_mlflow_run_and_tensorboard_keeps_one_value_
 def test_an_unknown_tracker_is_refused_and_one_that_cannot_start_is_named(tmp_path, warm_cache, monkeypatch, capsys):
     with pytest.raises(ConfigError, match=r"logger.also: unknown tracker\(s\) \['neptune'\]"):
         run(make_cfg([*TRAIN, "logger.also=[neptune]"], warm_cache), str(tmp_path / "a"))
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()  # refused before the logger wrote anything
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://nowhere")
     run(make_cfg(["steps=1", "eval.every=0", "logger=mlflow"], warm_cache), str(tmp_path / "b"))
     assert "rlkit: mlflow could not start" in capsys.readouterr().err

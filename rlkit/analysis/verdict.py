@@ -30,8 +30,9 @@ def engagement_words(e) -> str:
 def seed_words(spec, plan: Plan | None) -> str:
     if spec.sequential:
         return (
-            f"sequential: a look after every completed seed from seed {spec.seeds.pilot} to the cap of "
-            f"{spec.seeds.cap}, every test anytime-valid (confidence sequences, prior {spec.sequential.prior:g}); "
+            f"sequential: a look after every completed seed, the first at {spec.seeds.pilot} seeds, the last at "
+            f"the cap of {spec.seeds.cap}, every test anytime-valid (confidence sequences, "
+            f"prior {spec.sequential.prior:g}); "
             "the study stops at the first look where a gate can no longer pass or every verdict is decided"
         )
     seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
