@@ -79,7 +79,7 @@ def probe_entropy(policy, tokenizer, task, batch_size: int) -> dict:
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
         batch = [t.to(device) for t in demonstration_batch(tokenizer, task, rows[start : start + batch_size], rng)]
-        _, ent = token_logprobs(policy, *batch, entropy="metric")  # [n, Tc]
+        _, ent = token_logprobs(policy, *batch, entropy="metric", decoded=True)  # [n, Tc]
         total, count = total + float((ent * batch[3]).sum()), count + int(batch[3].sum())
     return {"eval/probe_entropy": total / count}
 

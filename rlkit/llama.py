@@ -97,6 +97,23 @@ def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
     return hidden, where
 
 
+@torch.no_grad()
+def decoded_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """`packed_hidden` through the decoder (`LlamaDecoder.hidden`), without gradients: prompt and
+    completion left-aligned into one sequence per row, the prefix every row shares computed once,
+    a LoRA policy's adapters folded into the weights.  -> hidden [K, H] and `where` of the K
+    completion tokens"""
+    ids = torch.cat([prompt_ids, completion_ids], 1)  # [n, S]
+    mask = torch.cat([prompt_mask, completion_mask], 1).long()  # [n, S]
+    order = mask.sort(dim=1, stable=True).indices  # [n, S] padding first, then each row's tokens in order
+    ids, mask = ids.gather(1, order), mask.gather(1, order)
+    hidden = LlamaDecoder(model, ids, mask, 0).hidden()  # [n, S, H]
+    where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each
+    index = positions(completion_mask.long())[where]  # [K] each token's index in its completion
+    before = ids.shape[1] - completion_mask.sum(-1)[where[0]] + index - 1  # [K] the column before it
+    return hidden[where[0], before], where
+
+
 def _qkv(layer, x: torch.Tensor, rope: tuple) -> tuple:
     """The layer's normed projections of x [B, T, H], rotated.  -> q [B, h, T, hd], k and v [B, kvh, T, hd]"""
     a = layer.self_attn
@@ -214,9 +231,10 @@ class LlamaDecoder:
         self.pos = positions(prompt_mask.long())  # [N, Tp]
         self.len = Tp
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attn_mask: torch.Tensor, every: bool = False):
         """ids, pos [n, s] at cache columns len-s..len-1; attn_mask [n, 1, s, len]. With n = 1 the keys
-        and values are written to every row (a prefix they share).  -> last position's hidden [n, H]"""
+        and values are written to every row (a prefix they share).  -> last position's hidden [n, H]
+        (`every`: every position's, [n, s, H])"""
         n, s = ids.shape
         x = self.body.embed_tokens(ids)  # [n, s, H]
         cos, sin = self.cos[0, pos], self.sin[0, pos]  # [n, s, hd]
@@ -242,22 +260,40 @@ class LlamaDecoder:
             x = x + self.out[i](o.transpose(1, 2).reshape(n, s, -1))  # [n, s, H]
             g, u = self.gate_up[i](norm(layer.post_attention_layernorm, x)).chunk(2, -1)  # [n, s, I] each
             x = x + self.down[i](layer.mlp.act_fn(g) * u)
-        return norm(self.body.norm, x[:, -1])  # [n, H]
+        return norm(self.body.norm, x if every else x[:, -1])  # [n, H] or [n, s, H]
 
     def prefill(self) -> torch.Tensor:
         """The prompts' keys and values: the prefix all rows share computed once (one row, written
         to every row), then each row's rest.  -> the last position's logits [N, V]"""
+        h = self._prefill(every=False)  # [N, H]
+        self.pos = self.pos[:, -1]  # [N]
+        return self.lm_head(h).float()  # [N, V]
+
+    def hidden(self) -> torch.Tensor:
+        """The final hidden state at every token of the (left-padded) rows, each at its column of
+        the rows as given; the shared prefix computed once. Padding columns: anything.  -> [N, Tp, H]"""
+        N, Tp, L = *self.ids.shape, self.shared
+        prefix, rest = self._prefill(every=True)  # [1, L, H], [N, Tp - L, H]
+        col = torch.arange(Tp, device=self.ids.device)[None]  # [1, Tp]
+        token = col - (Tp - self.mask[:, :Tp].sum(-1, keepdim=True))  # [N, Tp] token index in its row (< 0: padding)
+        moved = torch.where((token >= 0) & (token < L), token, col)  # [N, Tp] its column after the layout
+        full = torch.cat([prefix.expand(N, -1, -1), rest], 1)  # [N, Tp, H]
+        return full.gather(1, moved[..., None].expand_as(full))  # [N, Tp, H]
+
+    def _prefill(self, every: bool):
+        """The prefix's forward (one row) and the rows' rest, their hidden states as `_forward` gives
+        them.  -> rest's [N, H] (`every`: (prefix's [1, L, H], rest's [N, Tp - L, H]))"""
         Tp, L, dev = self.len, self.shared, self.ids.device
         causal = torch.ones(Tp, Tp, dtype=torch.bool, device=dev).tril()  # [Tp, Tp]
+        prefix = self.body.embed_tokens.weight.new_zeros(1, 0, self.body.config.hidden_size)  # [1, 0, H]
         if L:
             self.len = L
-            self._forward(self.ids[:1, :L], self.pos[:1, :L], causal[None, None, :L, :L])
+            prefix = self._forward(self.ids[:1, :L], self.pos[:1, :L], causal[None, None, :L, :L], every)
             self.len = Tp
         eye = torch.eye(Tp, dtype=torch.bool, device=dev)[L:]  # a padding query sees itself (no empty rows)
         attn = (causal[L:] & self.mask[:, None, :Tp]) | eye  # [N, Tp - L, Tp]
-        h = self._forward(self.ids[:, L:], self.pos[:, L:], attn[:, None])  # [N, H]
-        self.pos = self.pos[:, -1]  # [N]
-        return self.lm_head(h).float()  # [N, V]
+        rest = self._forward(self.ids[:, L:], self.pos[:, L:], attn[:, None], every)
+        return (prefix, rest) if every else rest
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         self.len, self.pos = self.len + 1, self.pos + 1

@@ -14,7 +14,8 @@ import sys
 import torch
 
 from rlkit.engines.kv_cache import encode_prompts
-from rlkit.llama import base_model, causal_parts, shared_hidden
+from rlkit.llama import base_model, causal_parts, decoded_hidden, shared_hidden
+from rlkit.models import AdaptersOff
 from rlkit.tensors import completion_width, positions, trimmed_inputs
 from rlkit.types import Rollout
 
@@ -54,20 +55,22 @@ def token_logprobs(
     entropy: str = "none",
     packed: bool = True,
     share: str = "never",
+    decoded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens. No compute is spent on padding: Llama-family models
     run on packed rows (`packed_hidden`), others on the micro-batch trimmed to its longest row
     (`trimmed_inputs`); logits are computed only where a completion token is predicted (for the
     Llama family from the hidden state divided by the temperature, a [K, H] division instead of a
     [K, V] one) and go through one log-softmax. `entropy`: "none", "metric" (no gradient)
-    or "grad" (for an entropy bonus). Returns logp [N, Tc] and entropy [N, Tc] or None (zeros on
-    padding)."""
+    or "grad" (for an entropy bonus). `decoded` (no gradients): a Llama-family model runs through the
+    decoder (`decoded_hidden`: the prefix every row shares once, LoRA adapters folded). Returns logp
+    [N, Tc] and entropy [N, Tc] or None (zeros on padding)."""
     parts = causal_parts(model) if packed else None
     shared = shares_prefix(model, prompt_ids, prompt_mask, completion_mask, share)
     scale = 1.0 if temperature in (0, 1) else 1.0 / temperature
     if parts is not None:
-        forward = shared_hidden if shared else packed_hidden
-        hidden, where = forward(*parts, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [K, H]
+        batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        hidden, where = llama_hidden(model, parts, shared, decoded, batch)  # [K, H]
         logits = parts[1](hidden * scale if scale != 1 else hidden).float()  # [K, V] z/T = (h/T) W^T: no bias
     else:
         ids, mask, pos, tc = trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -82,6 +85,15 @@ def token_logprobs(
     with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
         ent = -(logp_all.exp() * logp_all).sum(-1)  # [K] or [N, tc]
     return unpack(logp, where, completion_mask), unpack(ent, where, completion_mask)
+
+
+def llama_hidden(model, parts, shared: bool, decoded: bool, batch: tuple):
+    """A Llama-family model's hidden states before the completion tokens of `batch` (prompt ids
+    and mask, completion ids and mask): through the decoder (`decoded`, the policy only), with each
+    distinct prompt computed once (`shared`) or packed.  -> hidden [K, H] and `where`"""
+    if decoded and not isinstance(model, AdaptersOff):
+        return decoded_hidden(model, *batch)
+    return (shared_hidden if shared else packed_hidden)(*parts, *batch)
 
 
 def unpack(values: torch.Tensor, where, mask: torch.Tensor) -> torch.Tensor:

@@ -121,3 +121,30 @@ def test_a_prompt_given_several_times_is_prefilled_once_with_the_same_completion
     T = once.completion_ids.shape[1]
     assert torch.equal(grouped.completion_ids[:, :T], once.completion_ids.repeat_interleave(3, 0))
     assert torch.equal(grouped.prompt_ids, once.prompt_ids.repeat_interleave(3, 0))
+
+
+@pytest.mark.parametrize("groups", [(4, 4, 4, 4), (1, 1, 1, 1), (3, 1, 5, 2), (6, 0, 0, 0)])
+@pytest.mark.parametrize("common", ["", "0+0=0;" * 3])
+def test_the_decoder_gives_the_packed_forwards_log_probs_and_entropies(model, groups, common):
+    """`decoded=True` (the probe's no-gradient path): the prefix every row shares (none, a few-shot
+    preamble, or a whole prompt and the completions' first tokens when one prompt is repeated)
+    computed once, LoRA folded; rows of different prompt and completion lengths."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(copy.deepcopy(model[0]), LoraConfig(r=4, target_modules="all-linear", lora_alpha=8))
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # lora_B starts at zero; give the adapters an effect
+    prompts = [common + p for p, g in zip(PROMPTS, groups) for _ in range(g)]
+    torch.manual_seed(1)
+    g = generate(policy, model[1], prompts, 12)[:4]
+    assert len(set(g[3].sum(-1).tolist())) > 1  # completions of different lengths
+    with torch.no_grad():
+        packed = token_logprobs(policy, *g, temperature=0.7, entropy="metric")
+        decoded = token_logprobs(policy, *g, temperature=0.7, entropy="metric", decoded=True)
+    for a, b in zip(packed, decoded):
+        assert_close(a, b)
+    assert (packed[0] != 0).sum() == g[3].sum()  # a log-prob at every completion token, none on padding
