@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from rlkit.models import AdaptersOff
 from rlkit.parallel import is_sharded
-from rlkit.tensors import completion_width, positions
+from rlkit.tensors import completion_width, pack, positions
 
 
 def rotary(attn):
@@ -58,43 +58,86 @@ def causal_parts(model):
 
 def shared_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """`packed_hidden` with each distinct prompt of the rows computed once: the decoder runs over
-    the U distinct prompts and, beside them, over the n completions, whose attention reads the keys
-    and values of their own prompt (copied per row, so its gradient gathers from every completion)
-    and of their own earlier tokens; position ids continue from the prompt. A group of G
-    completions costs prompt + G x completion tokens instead of G x (prompt + completion), and no
-    attention score between two completions of a group is computed. Same hidden states as the
-    unshared forward (to float rounding).  -> hidden [K, H] and `where` of the K completion tokens"""
-    distinct, owner = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, Tp], [n]
-    first = torch.zeros(len(distinct), dtype=torch.long, device=owner.device).scatter_(
-        0, owner, torch.arange(len(owner), device=owner.device)
-    )  # [U] a row with each prompt (any: they are equal)
-    p_mask = prompt_mask[first].bool()  # [U, Tp]
-    tc = completion_width(completion_mask)
-    c_ids, c_mask = completion_ids[:, :tc], completion_mask[:, :tc].bool()  # [n, tc]
-    Tp, dev = distinct.shape[1], distinct.device
-    p_pos = positions(p_mask.long())  # [U, Tp]
-    c_pos = p_mask.sum(-1)[owner][:, None] + torch.arange(tc, device=dev)  # [n, tc]
+    the U distinct prompts and, beside them, over the completions packed side by side within their
+    group (`SharedLayout`), whose attention reads the keys and values of their own prompt (copied
+    per packed row, so its gradient gathers from every completion) and of their own earlier tokens;
+    position ids continue from the prompt. A group of G completions costs its prompt plus the packed
+    rows of its completions instead of G x (prompt + completion), and no attention score between two
+    completions is computed. Same hidden states as the unshared forward (to float rounding).
+    -> hidden [K, H] and `where` of the K completion tokens"""
+    s = SharedLayout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    Tp, W, dev = s.prompts.shape[1], s.ids.shape[1], prompt_ids.device
     causal_p = torch.ones(Tp, Tp, dtype=torch.bool, device=dev).tril()
-    p_attn = ((causal_p & p_mask[:, None, :]) | torch.eye(Tp, dtype=torch.bool, device=dev))[:, None]  # [U, 1, Tp, Tp]
-    causal_c = torch.ones(tc, tc, dtype=torch.bool, device=dev).tril()
-    c_attn = torch.cat([p_mask[owner][:, None, :].expand(-1, tc, -1), causal_c & c_mask[:, None, :]], -1)[
+    p_attn = ((causal_p & s.p_mask[:, None, :]) | torch.eye(Tp, dtype=torch.bool, device=dev))[
         :, None
-    ]  # [n, 1, tc, Tp + tc]
+    ]  # [U, 1, Tp, Tp]
+    causal_c = torch.ones(W, W, dtype=torch.bool, device=dev).tril()
+    own = causal_c & (s.seq[:, :, None] == s.seq[:, None, :]) & (s.seq[:, None, :] >= 0)  # [B, W, W]
+    c_attn = torch.cat([s.p_mask[s.bin_owner][:, None, :].expand(-1, W, -1), own], -1)[:, None]  # [B, 1, W, Tp + W]
     with context:
-        xp, xc = body.embed_tokens(distinct), body.embed_tokens(c_ids)  # [U, Tp, H], [n, tc, H]
-        rope_p, rope_c = body.rotary_emb(xp, p_pos), body.rotary_emb(xc, c_pos)  # (cos, sin) [., ., hd] each
+        xp, xc = body.embed_tokens(s.prompts), body.embed_tokens(s.ids)  # [U, Tp, H], [B, W, H]
+        rope_p, rope_c = body.rotary_emb(xp, s.p_pos), body.rotary_emb(xc, s.pos)  # (cos, sin) [., ., hd] each
         for layer in body.layers:
             qp, kp, vp = _qkv(layer, xp, rope_p)  # [U, h, Tp, hd], [U, kvh, Tp, hd] x 2
-            qc, kc, vc = _qkv(layer, xc, rope_c)  # [n, h, tc, hd], [n, kvh, tc, hd] x 2
+            qc, kc, vc = _qkv(layer, xc, rope_c)  # [B, h, W, hd], [B, kvh, W, hd] x 2
             xp = _finish(layer, xp, _attend(layer, qp, kp, vp, p_attn))
-            xc = _finish(
-                layer, xc, _attend(layer, qc, torch.cat([kp[owner], kc], 2), torch.cat([vp[owner], vc], 2), c_attn)
-            )
-        xp, xc = body.norm(xp), body.norm(xc)
+            k, v = torch.cat([kp[s.bin_owner], kc], 2), torch.cat([vp[s.bin_owner], vc], 2)  # [B, kvh, Tp + W, hd]
+            xc = _finish(layer, xc, _attend(layer, qc, k, v, c_attn))
+        xp, xc = norm(body.norm, xp), norm(body.norm, xc)
     where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each
     r, t = where
-    hidden = torch.where((t == 0)[:, None], xp[owner[r], -1], xc[r, (t - 1).clamp(min=0)])  # [K, H]
-    return hidden, where
+    before = xc[s.bins[r], (s.offset[r] + t - 1).clamp(min=0)]  # [K, H] the completion's own previous token
+    return torch.where((t == 0)[:, None], xp[s.owner[r], -1], before), where  # [K, H]
+
+
+class SharedLayout:
+    """The inputs of `shared_hidden`: the U distinct prompts (`prompts` [U, Tp], `p_mask`, `p_pos`),
+    each row's `owner` among them [n], and the completions packed into B rows of the longest one's
+    width W, each packed row holding completions of one prompt only (`bin_owner` [B]): `ids`, `pos`
+    (continuing from the prompt) and `seq` (the row each column holds, -1 for none) [B, W]; each
+    row's packed row and first column, `bins` and `offset` [n]."""
+
+    def __init__(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        self.prompts, self.owner = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, Tp], [n]
+        dev, n = prompt_ids.device, len(prompt_ids)
+        first = torch.zeros(len(self.prompts), dtype=torch.long, device=dev).scatter_(
+            0, self.owner, torch.arange(n, device=dev)
+        )
+        self.p_mask = prompt_mask[first].bool()  # [U, Tp] (any row of each prompt: they are equal)
+        self.p_pos = positions(self.p_mask.long())  # [U, Tp]
+        W = completion_width(completion_mask)
+        col = torch.arange(W, device=dev)  # [W]
+        span = torch.where(completion_mask[:, :W].bool(), col + 1, 0).amax(-1)  # [n] columns up to its last token
+        bins, offset, owners = [0] * n, [0] * n, []
+        for u in range(len(self.prompts)):
+            rows = (self.owner == u).nonzero().flatten().tolist()
+            b, o, count = pack(span[rows].tolist(), W)
+            for i, bi, oi in zip(rows, b, o):
+                bins[i], offset[i] = len(owners) + bi, oi
+            owners += [u] * count
+        self.bins, self.offset = torch.tensor(bins, device=dev), torch.tensor(offset, device=dev)  # [n] each
+        self.bin_owner = torch.tensor(owners, dtype=torch.long, device=dev)  # [B]
+        r, c = (col[None] < span[:, None]).nonzero(as_tuple=True)  # [R] each: every column a row uses
+        self.ids = torch.zeros(len(owners), W, dtype=completion_ids.dtype, device=dev)  # [B, W]
+        self.pos = torch.zeros(len(owners), W, dtype=torch.long, device=dev)  # [B, W]
+        self.seq = torch.full((len(owners), W), -1, dtype=torch.long, device=dev)  # [B, W]
+        at = (self.bins[r], self.offset[r] + c)
+        self.ids[at], self.pos[at] = completion_ids[r, c], self.p_mask.sum(-1)[self.owner[r]] + c
+        self.seq[at] = torch.where(completion_mask[r, c].bool(), r, -1)
+
+
+def packed_body(body, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The decoder stack over packed rows (sequences side by side, position ids restarting at 0 at
+    each), every token attending to the earlier tokens of its own sequence; the layers run as
+    `shared_hidden` runs them.  ids, pos [B, W] -> final hidden [B, W, H]"""
+    seq = (pos == 0).cumsum(-1)  # [B, W] each token's sequence within its packed row
+    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()  # [W, W]
+    attn = (causal & (seq[:, :, None] == seq[:, None, :]))[:, None]  # [B, 1, W, W]
+    x = body.embed_tokens(ids)  # [B, W, H]
+    rope = body.rotary_emb(x, pos)  # (cos, sin) [B, W, hd] each
+    for layer in body.layers:
+        x = _finish(layer, x, _attend(layer, *_qkv(layer, x, rope), attn))
+    return norm(body.norm, x)  # [B, W, H]
 
 
 @torch.no_grad()
@@ -118,12 +161,12 @@ def _qkv(layer, x: torch.Tensor, rope: tuple) -> tuple:
     """The layer's normed projections of x [B, T, H], rotated.  -> q [B, h, T, hd], k and v [B, kvh, T, hd]"""
     a = layer.self_attn
     B, T, _ = x.shape
-    h = layer.input_layernorm(x)
-    q, k = a.q_proj(h).view(B, T, -1, a.head_dim), a.k_proj(h).view(B, T, -1, a.head_dim)
+    h = norm(layer.input_layernorm, x)
+    q, k = linear(a.q_proj, h).view(B, T, -1, a.head_dim), linear(a.k_proj, h).view(B, T, -1, a.head_dim)
     if hasattr(a, "q_norm"):  # qwen3
         q, k = a.q_norm(q), a.k_norm(k)
     q, k = rotary(a)(q.transpose(1, 2), k.transpose(1, 2), *rope)
-    return q, k, a.v_proj(h).view(B, T, -1, a.head_dim).transpose(1, 2)
+    return q, k, linear(a.v_proj, h).view(B, T, -1, a.head_dim).transpose(1, 2)
 
 
 def _attend(layer, q, k, v, mask) -> torch.Tensor:
@@ -133,9 +176,12 @@ def _attend(layer, q, k, v, mask) -> torch.Tensor:
 
 
 def _finish(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The residual adds of the attention output and the MLP.  -> [B, T, H]"""
-    x = x + layer.self_attn.o_proj(attended)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    """The residual adds of the attention output and the MLP (a gated one as `linear`s).  -> [B, T, H]"""
+    x = x + linear(layer.self_attn.o_proj, attended)
+    h, mlp = norm(layer.post_attention_layernorm, x), layer.mlp
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return x + mlp(h)
+    return x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
 
 
 def norm(module, x: torch.Tensor) -> torch.Tensor:
@@ -148,12 +194,9 @@ def norm(module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, module.weight.shape, module.weight, eps)
 
 
-def applied_weight(m) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The (weight [out, in], bias) a linear layer applies: a plain `nn.Linear`'s own, or a vanilla
-    LoRA layer's (peft, adapters on and not merged, no dropout active) with its adapters folded
-    in, W + scaling B A (the same map, to float rounding). None for anything else."""
-    if type(m) is torch.nn.Linear:
-        return m.weight, m.bias
+def lora_adapters(m) -> list | None:
+    """The active adapters of a vanilla LoRA layer (peft over an `nn.Linear`, adapters on and not
+    merged, no DoRA or LoRA bias, no dropout active); None for anything else."""
     base, active = getattr(m, "base_layer", None), getattr(m, "active_adapters", [])
     if type(base) is not torch.nn.Linear or m.disable_adapters or m.merged or m.fan_in_fan_out:
         return None
@@ -162,7 +205,33 @@ def applied_weight(m) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         variant = a in getattr(m, "lora_variant", {}) or m.lora_B[a].bias is not None  # DoRA, a LoRA bias
         if variant or (m.training and type(m.lora_dropout[a]) is not torch.nn.Identity):
             return None
-    return base.weight + sum(m.get_delta_weight(a) for a in active), base.bias
+    return active
+
+
+def applied_weight(m) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The (weight [out, in], bias) a linear layer applies: a plain `nn.Linear`'s own, or a vanilla
+    LoRA layer's (`lora_adapters`) with its adapters folded in, W + scaling B A (the same map, to
+    float rounding). None for anything else."""
+    if type(m) is torch.nn.Linear:
+        return m.weight, m.bias
+    active = lora_adapters(m)
+    if active is None:
+        return None
+    return m.base_layer.weight + sum(m.get_delta_weight(a) for a in active), m.base_layer.bias
+
+
+def linear(m, x: torch.Tensor) -> torch.Tensor:
+    """`m(x)`; for a vanilla LoRA layer (`lora_adapters`) its adapters added onto the base output in
+    one addmm each, x W^T + s (x A^T) B^T, instead of peft's separate product, scaling and sum
+    (the same map and gradients, to float rounding).  [..., in] -> [..., out]"""
+    active = lora_adapters(m)
+    if not active:
+        return m(x)
+    flat = x.flatten(0, -2)  # [n, in]
+    y = F.linear(flat, m.base_layer.weight, m.base_layer.bias)  # [n, out]
+    for a in active:
+        y = torch.addmm(y, m.lora_A[a](flat), m.lora_B[a].weight.t(), alpha=m.scaling[a])  # [n, out]
+    return y.view(*x.shape[:-1], -1)
 
 
 @torch.no_grad()

@@ -7,33 +7,16 @@ completion token is predicted."""
 
 from __future__ import annotations
 
-import heapq
 import random
 import sys
 
 import torch
 
 from rlkit.engines.kv_cache import encode_prompts
-from rlkit.llama import base_model, causal_parts, decoded_hidden, shared_hidden
+from rlkit.llama import SharedLayout, base_model, causal_parts, decoded_hidden, packed_body, shared_hidden
 from rlkit.models import AdaptersOff
-from rlkit.tensors import completion_width, positions, trimmed_inputs
+from rlkit.tensors import pack, positions, trimmed_inputs
 from rlkit.types import Rollout
-
-
-def pack(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
-    """Rows of these lengths placed into as few rows of `width` as worst-fit decreasing finds.
-    -> (packed row, offset) of each row and the number of packed rows"""
-    bins, offset = [0] * len(lengths), [0] * len(lengths)
-    room = []  # heap of (-free columns, packed row)
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if room and -room[0][0] >= lengths[i]:
-            free, b = heapq.heappop(room)
-            bins[i], offset[i] = b, width + free
-            heapq.heappush(room, (free + lengths[i], b))
-        else:
-            bins[i] = len(room)
-            heapq.heappush(room, (lengths[i] - width, len(room)))
-    return bins, offset, len(room)
 
 
 def demonstration_batch(tokenizer, task, rows: list[dict], rng: random.Random):
@@ -124,7 +107,7 @@ def packed_hidden(body, lm_head, context, prompt_ids, prompt_mask, completion_id
     packed_ids = torch.zeros(B, width, dtype=ids.dtype, device=ids.device)  # [B, W]
     packed_ids[row, col] = ids[r, c]
     with context:
-        hidden = body(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).last_hidden_state  # [B, W, H]
+        hidden = packed_body(body, packed_ids, packed_pos)  # [B, W, H]
     where = completion_mask.bool().nonzero(as_tuple=True)  # [K] each: (row, column) of each completion token
     before = offset[where[0]] + plen[where[0]] + where[1] - 1  # [K] packed column predicting it
     return hidden[bins[where[0]], before], where
@@ -136,9 +119,9 @@ _UNSHARED: set = set()  # model classes already reported as running without a sh
 def shares_prefix(model, prompt_ids, prompt_mask, completion_mask, mode: str = "auto") -> bool:
     """Whether the shared-prefix forward runs: never with `mode` never; otherwise on a Llama-family
     model (not sharded), and with `mode` auto only where it sends fewer tokens through the decoder
-    than packing: distinct prompts x prompt width + rows x longest completion (completions are not
-    packed there) against every real token, so short prompts under long, uneven completions keep
-    the packed forward. A model it cannot apply to runs every row in full, and says so once."""
+    than packing: distinct prompts x prompt width + the completions' packed rows x longest
+    completion (`SharedLayout`) against every real token, so short prompts under long completions
+    keep the packed forward. A model it cannot apply to runs every row in full, and says so once."""
     if mode == "never":
         return False
     parts = causal_parts(model)
@@ -154,8 +137,8 @@ def shares_prefix(model, prompt_ids, prompt_mask, completion_mask, mode: str = "
         return False
     if mode == "always":
         return True
-    tc = completion_width(completion_mask)
-    shared = len(torch.unique(prompt_ids, dim=0)) * prompt_ids.shape[1] + len(prompt_ids) * tc
+    layout = SharedLayout(prompt_ids, prompt_mask, completion_mask, completion_mask)  # (its shape: any ids)
+    shared = len(layout.prompts) * prompt_ids.shape[1] + layout.ids.numel()
     return shared < int(prompt_mask.sum() + completion_mask.sum())
 
 

@@ -5,6 +5,8 @@ component for a helper."""
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 
@@ -51,3 +53,19 @@ def trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
 def finite(*xs) -> bool:
     """Whether every value of every tensor (or number) is finite."""
     return all(bool(torch.isfinite(torch.as_tensor(x)).all()) for x in xs)
+
+
+def pack(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
+    """Rows of these lengths placed into as few rows of `width` as worst-fit decreasing finds.
+    -> (packed row, offset) of each row and the number of packed rows"""
+    bins, offset = [0] * len(lengths), [0] * len(lengths)
+    room = []  # heap of (-free columns, packed row)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if room and -room[0][0] >= lengths[i]:
+            free, b = heapq.heappop(room)
+            bins[i], offset[i] = b, width + free
+            heapq.heappush(room, (free + lengths[i], b))
+        else:
+            bins[i] = len(room)
+            heapq.heappush(room, (lengths[i] - width, len(room)))
+    return bins, offset, len(room)

@@ -12,10 +12,10 @@ from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import encode_prompts, generate
 from rlkit.engines.sampling import sample as _sample
 from rlkit.llama import LlamaDecoder, applied_weight, causal_parts, shared_prefix_layout
-from rlkit.logprobs import pack, token_logprobs
+from rlkit.logprobs import token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
 from rlkit.tasks.arithmetic import ALPHABET
-from rlkit.tensors import positions
+from rlkit.tensors import pack, positions
 from rlkit.types import Rollout
 
 PROMPTS = ["1+2=", "13+4+5=", "7+7=", "9+1+0+3=", "5=", "2+2+2+2+2="] * 4  # left padding of several widths

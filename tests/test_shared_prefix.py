@@ -10,6 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlkit import logprobs
 from rlkit.engines.kv_cache import generate
+from rlkit.llama import SharedLayout
 from rlkit.logprobs import token_logprobs
 from rlkit.models import TinyQwen2
 
@@ -62,7 +63,8 @@ def test_shared_and_unshared_forwards_agree(model, groups):
 
 
 def test_each_distinct_prompt_goes_through_the_decoder_once(model):
-    """The embedding sees the 4 distinct (padded) prompts once and each row's completion once."""
+    """The embedding sees the 4 distinct (padded) prompts once and the completions once, packed
+    into fewer rows than there are completions."""
     policy, _ = model
     g = rollout(model, (3, 1, 5, 2))
     seen = []
@@ -71,8 +73,32 @@ def test_each_distinct_prompt_goes_through_the_decoder_once(model):
         token_logprobs(policy, *g, share="always")
     finally:
         hook.remove()
-    tc = int(g[3].any(0).nonzero().max()) + 1
-    assert sum(seen) == 4 * g[0].shape[1] + 11 * tc  # prompts [4, Tp] and completions [11, tc]
+    tc, packed = int(g[3].any(0).nonzero().max()) + 1, len(SharedLayout(*g).ids)
+    assert packed < 11 and sum(seen) == 4 * g[0].shape[1] + packed * tc  # prompts [4, Tp], completions [B, tc]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9)), min_size=1, max_size=12))
+def test_completions_are_packed_within_their_group_without_overlap(rows):
+    """Each completion's tokens sit in a packed row of its own prompt's, at consecutive columns
+    from its offset, with its position ids continuing its prompt; no cell holds two completions."""
+    owner, length = torch.tensor([o for o, _ in rows]), torch.tensor([n for _, n in rows])
+    Tp = 6
+    prompt_ids = (owner[:, None] + 10 * torch.arange(Tp)).long()  # [n, Tp] distinct per owner
+    prompt_mask = (torch.arange(Tp)[None] >= owner[:, None]).long()  # [n, Tp] prompt u: Tp - u tokens
+    width = max(int(length.max()), 1)
+    c_mask = (torch.arange(width)[None] < length[:, None]).long()  # [n, W]
+    c_ids = torch.arange(len(rows) * width).view(len(rows), width) + 100  # [n, W] every token distinct
+    s = SharedLayout(prompt_ids, prompt_mask, c_ids, c_mask)
+    assert s.ids.shape[1] == width and len(s.ids) <= len(rows)
+    held = torch.zeros_like(s.seq)
+    for r, n in enumerate(length.tolist()):
+        b, cols = int(s.bins[r]), int(s.offset[r]) + torch.arange(n)
+        assert int(s.prompts[s.bin_owner[b], -1]) == int(prompt_ids[r, -1])  # its own prompt's row
+        assert torch.equal(s.ids[b, cols], c_ids[r, :n]) and torch.equal(s.seq[b, cols], torch.full((n,), r))
+        assert torch.equal(s.pos[b, cols], (Tp - owner[r]) + torch.arange(n))  # positions go on from the prompt
+        held[b, cols] += 1
+    assert held.max() <= 1 and int((s.seq >= 0).sum()) == int(length.sum())
 
 
 @settings(max_examples=5, deadline=None)
