@@ -128,7 +128,10 @@ class Engine(Protocol):
     takes `episodes` (one per prompt) and runs them turn by turn, `max_new_tokens` the budget of the
     whole trajectory, the environment's tokens included. An engine that takes `draws`
     (`rlkit.draws.RowDraws`: each row's uniform at each token position) samples with them instead of
-    torch's generator; `rollout.coupled=true` needs it."""
+    torch's generator; `rollout.coupled=true` needs it. An engine that takes `forced` (token ids and
+    mask [N, Tf], right-padded) computes each such token's entropy teacher-forced after its prompt
+    on the same prefill and returns it as `Generation.forced_entropy` (held-out evaluation's probe;
+    without it the probe runs its own forward)."""
 
     exact_logprobs: bool = True
     lag: int | None = None

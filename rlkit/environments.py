@@ -4,6 +4,7 @@ answers each JSON tool call with the calculator's result."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import sys
@@ -39,11 +40,21 @@ def episodes(env: Environment, rows: list[dict]) -> Episodes | None:
 
 
 def generate(
-    engine, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float, ep: Episodes | None, draws=None
+    engine,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    ep: Episodes | None,
+    draws=None,
+    forced=None,
 ):
     """The engine's generation: the single-turn call every engine takes, with `episodes` for a
-    multi-turn one and `draws` (`rlkit.draws.RowDraws`) for keyed uniforms, each passed only when set."""
+    multi-turn one, `draws` (`rlkit.draws.RowDraws`) for keyed uniforms, each passed only when set,
+    and `forced` for teacher-forced tokens' entropies to an engine that takes it (`rlkit.components.Engine`)."""
     extra = {k: v for k, v in (("episodes", ep), ("draws", draws)) if v is not None}
+    if forced is not None and "forced" in inspect.signature(engine.generate).parameters:
+        extra["forced"] = forced  # an optional capability: an engine without it returns no entropies
     return engine.generate(prompts, max_new_tokens, temperature, top_p, **extra)
 
 

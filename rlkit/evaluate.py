@@ -13,7 +13,7 @@ import torch
 from rlkit import progress
 from rlkit.draws import RowDraws
 from rlkit.environments import episodes, generate
-from rlkit.logprobs import demonstration_batch, token_logprobs
+from rlkit.logprobs import demonstration_batch, demonstrations, token_logprobs
 from rlkit.metrics import by_difficulty, feature_metrics, hardest_third
 from rlkit.metrics import mean_or_none as mean
 
@@ -26,6 +26,7 @@ class Answers(NamedTuple):
     truncated: torch.Tensor  # [E] bool, no EOS within the budget
     texts: list[str]  # E
     episodes: tuple | list = ()  # E multi-turn episodes as they ended; empty for a single-turn environment
+    forced_entropy: torch.Tensor | None = None  # [E, Tf] the entropies before the `forced` tokens; None: not computed
 
 
 def answers(
@@ -40,30 +41,46 @@ def answers(
     environment=None,
     keyed: int | None = None,
     n: int = 1,
+    forced: tuple | None = None,
 ) -> Answers:
     """Each row's completion (with a multi-turn `environment`, its whole episode), scored by the
     task's reward. `keyed`: a seed that keys each row's uniforms by its prompt and its index among
-    the `n` contiguous rows of that prompt."""
-    correct, lengths, truncated, every, played = [], [], [], [], []
+    the `n` contiguous rows of that prompt. `forced` (ids, mask [E, Tf]): tokens whose entropies
+    after each prompt the engine computes on the same prefill, where it can (single-turn)."""
+    correct, lengths, truncated, every, played, entropies = [], [], [], [], [], []
     batches = range(0, len(rows_all), batch_size)
     for start in progress.steps(batches, "rlkit: evaluation, prompt batches", len(batches)):
         rows = rows_all[start : start + batch_size]
         ep = None if environment is None else episodes(environment, rows)
         prompts, index = [r["prompt"] for r in rows], [i % n for i in range(start, start + len(rows))]
         draws = None if keyed is None else RowDraws(keyed, "eval", (), prompts, index)
-        gen = generate(engine, prompts, max_new_tokens, temperature, top_p, ep, draws)
+        f = None if forced is None or ep is not None else tuple(t[start : start + len(rows)] for t in forced)
+        gen = generate(engine, prompts, max_new_tokens, temperature, top_p, ep, draws, f)
+        entropies.append(gen.forced_entropy)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         correct.append(task.score(rows, texts) > 0)  # [n]
         lengths.append(gen.completion_mask.sum(-1).float())  # [n]
         truncated.append(gen.truncated)  # [n]
         every += texts
         played += [] if ep is None else ep.each
-    return Answers(torch.cat(correct), torch.cat(lengths), torch.cat(truncated), every, played)
+    forced_entropy = None if None in entropies else torch.cat(entropies)  # [E, Tf]
+    return Answers(torch.cat(correct), torch.cat(lengths), torch.cat(truncated), every, played, forced_entropy)
 
 
 def presence(task, rows: list[dict], texts: list[str]) -> torch.Tensor:
     """Whether each completion holds its row's answer anywhere (the task's lenient `present`).  -> [E]"""
     return torch.tensor([task.present(r, t) for r, t in zip(rows, texts)]).float()
+
+
+PROBE_SEED = 0  # the probe's demonstrations: the same draws in every evaluation and every run
+
+
+def probe_tokens(policy, tokenizer, task, rows: list[dict]) -> tuple | None:
+    """The probe's demonstrations (`probe_entropy`) as the tokens the greedy pass forces after each
+    prompt (`answers`' `forced`): ids and mask [E, Tf]; None where there is no probe."""
+    if policy is None or task.demonstration is None:
+        return None
+    return demonstrations(tokenizer, task, rows, random.Random(PROBE_SEED))
 
 
 @torch.no_grad()
@@ -75,7 +92,7 @@ def probe_entropy(policy, tokenizer, task, batch_size: int) -> dict:
     demonstrations has no probe (an empty dict)."""
     if policy is None or task.demonstration is None:
         return {}
-    rows, rng, device = task.eval.to_list(), random.Random(0), next(policy.parameters()).device
+    rows, rng, device = task.eval.to_list(), random.Random(PROBE_SEED), next(policy.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
         batch = [t.to(device) for t in demonstration_batch(tokenizer, task, rows[start : start + batch_size], rng)]
@@ -112,17 +129,29 @@ def evaluate(
     `environment`, each answer is an episode and the environment's metrics of the greedy episodes
     come too (`eval/tool_use`, ...). `coupled`: each sample's uniforms keyed by the seed, its
     prompt and its index among the prompt's n (`rlkit.draws`), whatever the batch. `seconds`: a
-    dict that receives the seconds of each part (`eval_greedy`, `eval_probe`, `eval_sampled`)."""
+    dict that receives the seconds of each part (`eval_greedy`, `eval_probe`, `eval_sampled`; the
+    probe is part of the greedy pass where the engine computes it on the same prefill, `forced`)."""
     rows_all, clock = task.eval.to_list(), Clock(seconds)
-    greedy = answers(engine, tokenizer, task, rows_all, batch_size, max_new_tokens, environment=environment)
-    out = greedy_metrics(task, rows_all, greedy, environment)
-    clock.lap("eval_greedy")
-    out.update(probe_entropy(policy, tokenizer, task, batch_size))
-    clock.lap("eval_probe")
+    out = greedy_and_probe(engine, tokenizer, task, rows_all, batch_size, max_new_tokens, policy, environment, clock)
     if samples:
         how = Sampling(batch_size, max_new_tokens, temperature, top_p, seed, environment, coupled)
         out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, how, pass_k))
         clock.lap("eval_sampled")
+    return out
+
+
+def greedy_and_probe(engine, tokenizer, task, rows, batch_size: int, max_new_tokens: int, policy, environment, clock):
+    """`greedy_metrics` and the probe entropy, computed on the greedy pass's prefill where the engine
+    can (`answers`' `forced`), else by the probe's own forward (`probe_entropy`)."""
+    forced = probe_tokens(policy, tokenizer, task, rows)
+    greedy = answers(engine, tokenizer, task, rows, batch_size, max_new_tokens, environment=environment, forced=forced)
+    out = greedy_metrics(task, rows, greedy, environment)
+    clock.lap("eval_greedy")
+    if greedy.forced_entropy is not None:
+        out["eval/probe_entropy"] = float(greedy.forced_entropy.sum() / forced[1].sum())
+    else:
+        out.update(probe_entropy(policy, tokenizer, task, batch_size))
+        clock.lap("eval_probe")
     return out
 
 

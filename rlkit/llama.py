@@ -349,6 +349,20 @@ class LlamaDecoder:
         full = torch.cat([prefix.expand(N, -1, -1), rest], 1)  # [N, Tp, H]
         return full.gather(1, moved[..., None].expand_as(full))  # [N, Tp, H]
 
+    def force(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """After `prefill`: the hidden states of tokens teacher-forced after each prompt (`ids`, `mask`
+        [N, Tf] right-padded, Tf at most the decode budget), leaving the decoder as it was (their
+        keys and values go where decoding writes its own before reading them).  -> [N, Tf, H]"""
+        Tp, Tf = self.len, ids.shape[1]
+        causal = torch.ones(Tf, Tf, dtype=torch.bool, device=ids.device).tril()  # [Tf, Tf]
+        attn = torch.cat([self.mask[:, None, :Tp].expand(-1, Tf, -1), causal & mask[:, None, :].bool()], -1)
+        self.len = Tp + Tf
+        try:
+            pos = self.pos[:, None] + 1 + torch.arange(Tf, device=ids.device)  # [N, Tf]
+            return self._forward(ids, pos, attn[:, None], every=True)  # [N, Tf, H]
+        finally:
+            self.len = Tp
+
     def _prefill(self, every: bool):
         """The prefix's forward (one row) and the rows' rest, their hidden states as `_forward` gives
         them.  -> rest's [N, H] (`every`: (prefix's [1, L, H], rest's [N, Tp - L, H]))"""

@@ -23,9 +23,15 @@ def demonstration_batch(tokenizer, task, rows: list[dict], rng: random.Random):
     """Each row's prompt followed by one of the task's right completions (`task.demonstration`,
     drawn with `rng`) and EOS: the teacher-forced inputs of `token_logprobs`."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [r["prompt"] for r in rows])  # [B, Tp]
+    return prompt_ids, prompt_mask, *demonstrations(tokenizer, task, rows, rng)  # [B, Tp] x2, [B, Tc] x2
+
+
+def demonstrations(tokenizer, task, rows: list[dict], rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """One of the task's right completions of each row (`task.demonstration`, drawn with `rng`) and
+    EOS, right-padded.  -> ids, mask [B, Tc]"""
     demos = [task.demonstration(r, rng) + tokenizer.eos_token for r in rows]
     enc = tokenizer(demos, return_tensors="pt", padding=True, padding_side="right")
-    return prompt_ids, prompt_mask, enc["input_ids"], enc["attention_mask"]  # [B, Tp] x2, [B, Tc] x2
+    return enc["input_ids"], enc["attention_mask"]  # [B, Tc] each
 
 
 def token_logprobs(

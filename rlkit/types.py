@@ -31,6 +31,8 @@ class Generation(NamedTuple):
     # sampling temperature); None: an engine whose numbers are the trainer's
     model_mask: torch.Tensor | None = None  # [N, Tc] 1 on the tokens the model wrote, 0 on an environment's
     # (multi-turn episodes); None: every completion token is the model's
+    forced_entropy: torch.Tensor | None = None  # [N, Tf] with `forced`: the entropy (temperature 1) before each
+    # teacher-forced token, 0 on padding; None: none asked, or an engine that cannot
 
 
 class Episodes(NamedTuple):

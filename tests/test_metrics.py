@@ -90,6 +90,27 @@ def test_the_probe_entropy_is_a_plain_forwards_mean_token_entropy_on_fixed_demon
     assert probe_entropy(policy, tokenizer, task, batch_size=12)["eval/probe_entropy"] == pytest.approx(first, rel=1e-6)
 
 
+def test_the_probe_on_the_greedy_passs_prefill_is_the_probes_own_forward():
+    """The engine forces the probe's demonstrations after each prompt on the greedy pass's prefill:
+    the same entropy as the probe's own forward, the same greedy answers; a budget too short for
+    the demonstrations runs the probe's own forward."""
+    from rlkit.evaluate import probe_tokens
+
+    cfg = make_cfg(["task.n_train=64", "task.n_eval=12"])
+    task = build(cfg, "task")
+    policy, tokenizer = build(cfg, "model").build(task.alphabet, seed=0)  # random weights: entropies differ by token
+    engine = build(cfg, "engine", policy=policy, tokenizer=tokenizer)
+    own = probe_entropy(policy, tokenizer, task, batch_size=5)["eval/probe_entropy"]
+    Tf = probe_tokens(policy, tokenizer, task, task.eval.to_list())[0].shape[1]
+    assert Tf > 1
+    for budget, folded in ((Tf + 2, True), (Tf - 1, False)):
+        seconds = {}
+        out = evaluate(engine, tokenizer, task, batch_size=5, max_new_tokens=budget, policy=policy, seconds=seconds)
+        assert ("eval_probe" not in seconds) == folded
+        assert out.pop("eval/probe_entropy") == pytest.approx(own, rel=1e-5)
+        assert out == evaluate(engine, tokenizer, task, batch_size=5, max_new_tokens=budget)  # no policy: no probe
+
+
 def test_update_metrics_leave_out_what_no_token_or_step_measured():
     from rlkit.metrics import update_metrics
     from rlkit.types import UpdateStats

@@ -12,6 +12,7 @@ from rlkit.draws import RowDraws
 from rlkit.engines.decoders import HFForward, decoder
 from rlkit.engines.sampling import sample
 from rlkit.engines.turns import Turns
+from rlkit.llama import LlamaDecoder
 from rlkit.types import Episodes, Generation
 
 
@@ -37,6 +38,7 @@ class KVCache(Engine):
         top_p: float = 1.0,
         episodes: Episodes | None = None,
         draws: RowDraws | None = None,
+        forced: tuple | None = None,
     ) -> Generation:
         was_training = self.policy.training
         self.policy.eval()
@@ -52,6 +54,7 @@ class KVCache(Engine):
                     self.min_new_tokens,
                     episodes=episodes,
                     draws=draws,
+                    forced=forced,
                 )
         finally:
             self.policy.train(was_training)
@@ -94,15 +97,15 @@ def generate(
     logprobs: bool = False,
     episodes: Episodes | None = None,
     draws: RowDraws | None = None,
+    forced: tuple | None = None,
 ) -> Generation:
-    """Sample one completion per prompt with a KV cache (see `prefill`); each row stops at its EOS
-    (never before `min_new_tokens`) and leaves the batch once an eighth of the rows present have
-    finished. temperature 0 is greedy. `fast=False`: the model's own forward (`decoders.HFForward`).
-    `logprobs`: also each sampled token's log-prob under softmax(logits / temperature) (no top-p).
-    `episodes`: multi-turn episodes (`turns.Turns`) of `max_new_tokens`; `draws`: keyed uniforms (`rlkit.draws`)."""
+    """One completion per prompt with a KV cache (`prefill`); a row stops at its EOS (not before
+    `min_new_tokens`), leaving the batch once an eighth have finished. temperature 0: greedy; `fast=False`:
+    the model's own forward (`HFForward`); `logprobs`: each token's under softmax(logits / temperature);
+    `episodes`: multi-turn (`Turns`); `draws`: keyed uniforms (`rlkit.draws`); `forced`: `forced_entropy`."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, fast)  # [N, V], [N, Tp]
-    out = Sampled(prompt_ids, max_new_tokens, pad, logprobs)
+    out = Sampled(prompt_ids, max_new_tokens, pad, logprobs, forced and forced_entropy(dec, logits, *forced))
     turns = None if episodes is None else Turns(tokenizer, episodes, out.tokens)
     rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)  # [n] the original rows still in the batch
     fin = torch.zeros_like(rows, dtype=torch.bool)  # [n] finished rows still in the batch
@@ -124,12 +127,26 @@ def generate(
     return out.generation(prompt_ids, prompt_mask, turns)
 
 
+def forced_entropy(dec, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """The entropy (nats, temperature 1) before each teacher-forced token: the prefill's `logits`
+    [N, V] before the first, the forced tokens' own hidden states before the rest (`LlamaDecoder.
+    force`).  ids, mask [N, Tf] -> [N, Tf], 0 on padding; None for a decoder that cannot force"""
+    if not isinstance(dec, LlamaDecoder) or ids.shape[1] > dec.k[0].shape[2] - dec.len:
+        return None
+    ids, mask = ids.to(logits.device), mask.to(logits.device)
+    hidden = dec.force(ids[:, :-1], mask[:, :-1])  # [N, Tf - 1, H]
+    logits = torch.cat([logits[:, None], dec.lm_head(hidden).float()], 1)  # [N, Tf, V]
+    logp = logits.log_softmax(-1)  # [N, Tf, V]
+    return -(logp.exp() * logp).sum(-1) * mask  # [N, Tf]
+
+
 class Sampled:
     """What the decode loop has sampled so far, in the original row order: tokens, which of them
     count (before and at each row's EOS), their log-probs when asked, and which rows finished."""
 
-    def __init__(self, prompt_ids: torch.Tensor, max_new_tokens: int, pad: int, logprobs: bool):
+    def __init__(self, prompt_ids: torch.Tensor, max_new_tokens: int, pad: int, logprobs: bool, forced=None):
         N, device = prompt_ids.shape[0], prompt_ids.device
+        self.forced = forced  # [N, Tf] the entropies before teacher-forced tokens (`forced_entropy`) or None
         self.tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
         self.alive = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)  # [N, Tmax]
         self.lp = torch.zeros(N, max_new_tokens, device=device) if logprobs else None  # [N, Tmax]
@@ -158,4 +175,5 @@ class Sampled:
         if lp is not None:
             lp = lp[:, :T] if model is None else lp[:, :T] * model  # [N, T] 0 on the environment's tokens
         truncated = ~self.done if turns is None else ~self.done | turns.cut  # [N]
-        return Generation(prompt_ids, prompt_mask, self.tokens[:, :T], self.alive[:, :T], truncated, lp, model)
+        tokens, alive = self.tokens[:, :T], self.alive[:, :T]  # [N, T] each
+        return Generation(prompt_ids, prompt_mask, tokens, alive, truncated, lp, model, self.forced)
