@@ -25,6 +25,7 @@ class AdvantageEstimator(Protocol):
     min_group_size: int = 2  # rollout.group_size is checked against it before any model is built
     needs_critic: bool = False  # the core builds the `critic` component and passes its values
     needs_step_rewards: bool = False  # the core scores each reasoning step (rollout.step_rewards, step_mask)
+    needs_policy_stats: bool = False  # the core puts the old policy's log-probs and sum pi^2 in rollout.policy_stats
     data_parallel: bool = True  # exact when each rank sees only its own groups (torchrun)
 
     def __call__(self, rollout: Rollout, values: torch.Tensor | None = None): ...

@@ -1,8 +1,9 @@
 """More outcome-reward advantage estimators (config group `advantage`), each a different baseline
 or scale for the group-relative advantage: REINFORCE++ and its group baseline (batch whitening),
 MaxRL (normalised by the group mean), GPG (rescaled by the share of non-zero rewards), OPO (a
-length-weighted group baseline), the pass@k advantage (only a group's best completion) and KRPO
-(a Kalman-filtered running baseline)."""
+length-weighted group baseline), the pass@k advantage (only a group's best completion), KRPO
+(a Kalman-filtered running baseline) and the optimal token baseline (a baseline per position,
+weighted by the old policy's realized energy)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,35 @@ class KRPO(AdvantageEstimator):
             x, p = x + gain * (rewards[:, i] - x), (1 - gain) * (p + self.q)
             adv[:, i] = (rewards[:, i] - x) / (p.sqrt() + self.eps)
         return per_token(adv, r)  # [N, Tc]
+
+
+class OTB(AdvantageEstimator):
+    """The optimal token baseline (arXiv 2602.07078; verl `optimal_token_baseline`): each model
+    token's return G_t (`token_returns`) less a baseline per group and position t,
+    B_t = sum_i G_t W_t / (sum_i W_t + eps) over the group's completions, with the realized energy
+    W_t = sum_{j<=t} (1 - 2 pi_j + sum_v pi_v^2) of the old policy at the sampling temperature (the
+    logit-gradient proxy of |grad log pi|^2; `Rollout.policy_stats`, which the core computes for an
+    estimator that `needs_policy_stats`). `zero_tail`: a completion longer than every other of its
+    group gets baseline 0 past the second-longest (verl's `handle_zero_tail`; off by default, as
+    there), where it would otherwise be its own return and its advantage 0."""
+
+    needs_policy_stats = True
+
+    def __init__(self, eps: float = 1e-8, zero_tail: bool = False):
+        self.eps, self.zero_tail = eps, zero_tail
+
+    def __call__(self, r, values=None) -> torch.Tensor:
+        old_logp, sum_pi_sq = r.policy_stats.unbind(-1)  # [N, Tc] each
+        mask = r.action_mask.float()  # [N, Tc]
+        returns = token_returns(r)  # [N, Tc]
+        energy = ((1 - 2 * old_logp.exp() + sum_pi_sq) * mask).cumsum(-1)  # [N, Tc] W_t
+        P, G, T = r.num_groups, r.group_size, mask.shape[1]
+        w, m = (energy * mask).view(P, G, T), mask.view(P, G, T)  # [P, G, T] each
+        baseline = (returns.view(P, G, T) * w).sum(1, keepdim=True) / (w.sum(1, keepdim=True) + self.eps)  # [P, 1, T]
+        baseline = baseline.expand(P, G, T).clone()  # [P, G, T]
+        if self.zero_tail:
+            top = m.sum(-1).topk(2, dim=1)  # values, indices [P, 2]: the two longest of each group
+            alone = top.values[:, 0] > top.values[:, 1]  # [P] one completion longer than every other
+            past = torch.arange(T, device=mask.device)[None] >= top.values[:, 1:]  # [P, T] past the second-longest
+            baseline[torch.arange(P, device=mask.device), top.indices[:, 0]] *= ~(alone[:, None] & past)
+        return (returns - baseline.view(-1, T)) * mask  # [N, Tc]

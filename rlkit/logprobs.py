@@ -13,6 +13,7 @@ import sys
 import torch
 
 from rlkit.engines.kv_cache import encode_prompts
+from rlkit.engines.sampling import support_logp
 from rlkit.llama import SharedLayout, base_model, causal_parts, decoded_hidden, packed_body, shared_hidden
 from rlkit.models import AdaptersOff
 from rlkit.tensors import pack, positions, trimmed_inputs
@@ -45,35 +46,48 @@ def token_logprobs(
     packed: bool = True,
     share: str = "never",
     decoded: bool = False,
+    support: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens. No compute is spent on padding: Llama-family models
     run on packed rows (`packed_hidden`), others on the micro-batch trimmed to its longest row
     (`trimmed_inputs`); logits are computed only where a completion token is predicted (for the
     Llama family from the hidden state divided by the temperature, a [K, H] division instead of a
     [K, V] one) and go through one log-softmax. `entropy`: "none", "metric" (no gradient)
-    or "grad" (for an entropy bonus). `decoded` (no gradients): a Llama-family model runs through the
-    decoder (`decoded_hidden`: the prefix every row shares once, LoRA adapters folded). Returns logp
-    [N, Tc] and entropy [N, Tc] or None (zeros on padding)."""
-    parts = causal_parts(model) if packed else None
-    shared = shares_prefix(model, prompt_ids, prompt_mask, completion_mask, share)
-    scale = 1.0 if temperature in (0, 1) else 1.0 / temperature
-    if parts is not None:
-        batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-        hidden, where = llama_hidden(model, parts, shared, decoded, batch)  # [K, H]
-        logits = parts[1](hidden * scale if scale != 1 else hidden).float()  # [K, V] z/T = (h/T) W^T: no bias
-    else:
-        ids, mask, pos, tc = trimmed_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=tc + 1).logits
-        logits = logits[:, :-1].float()  # [N, tc, V]
-        logits = logits * scale if scale != 1 else logits
-        where = (slice(None), slice(0, tc))
+    or "grad" (for an entropy bonus); "sum_pi_squared": sum_v pi_v^2 in its place (no gradient).
+    `decoded` (no gradients): a Llama-family model runs through the decoder (`decoded_hidden`: the
+    prefix every row shares once, LoRA adapters folded). `support` [N, Tc, k]: each token's
+    log-prob renormalised on its sampling support (`support_logp`; the entropy stays the full
+    softmax's). Returns logp [N, Tc] and entropy [N, Tc] or None (zeros on padding)."""
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logits, where = completion_logits(model, batch, temperature, packed, share, decoded)  # [K, V] or [N, tc, V]
     logp_all = logits.log_softmax(-1)  # [K, V] or [N, tc, V] one fused pass, and one back
     logp = logp_all.gather(-1, completion_ids[where].unsqueeze(-1)).squeeze(-1)  # [K] or [N, tc]
+    if support is not None:
+        logp = support_logp(logp_all, logp, support[where])  # [K] or [N, tc]
     if entropy == "none":
         return unpack(logp, where, completion_mask), None
     with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-        ent = -(logp_all.exp() * logp_all).sum(-1)  # [K] or [N, tc]
+        if entropy == "sum_pi_squared":
+            ent = (2 * logp_all).logsumexp(-1).exp()  # [K] or [N, tc] sum_v pi_v^2, in its place
+        else:
+            ent = -(logp_all.exp() * logp_all).sum(-1)  # [K] or [N, tc]
     return unpack(logp, where, completion_mask), unpack(ent, where, completion_mask)
+
+
+def completion_logits(model, batch: tuple, temperature: float, packed: bool, share: str, decoded: bool):
+    """The logits (at the temperature) before each completion token of `batch` (prompt ids and
+    mask, completion ids and mask), as `token_logprobs` describes.  -> [K, V] and the K tokens'
+    `where`, or [N, tc, V] and (all rows, first tc columns)"""
+    parts = causal_parts(model) if packed else None
+    shared = shares_prefix(model, batch[0], batch[1], batch[3], share)
+    scale = 1.0 if temperature in (0, 1) else 1.0 / temperature
+    if parts is not None:
+        hidden, where = llama_hidden(model, parts, shared, decoded, batch)  # [K, H]
+        return parts[1](hidden * scale if scale != 1 else hidden).float(), where  # [K, V] z/T = (h/T) W^T: no bias
+    ids, mask, pos, tc = trimmed_inputs(*batch)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=tc + 1).logits
+    logits = logits[:, :-1].float()  # [N, tc, V]
+    return (logits * scale if scale != 1 else logits), (slice(None), slice(0, tc))
 
 
 def llama_hidden(model, parts, shared: bool, decoded: bool, batch: tuple):
@@ -148,9 +162,11 @@ def shares_prefix(model, prompt_ids, prompt_mask, completion_mask, mode: str = "
     return shared < int(prompt_mask.sum() + completion_mask.sum())
 
 
-def rollout_logprobs(model, r: Rollout, temperature: float = 1.0, entropy: str = "none", share: str = "never"):
+def rollout_logprobs(
+    model, r: Rollout, temperature: float = 1.0, entropy: str = "none", share: str = "never", replay: bool = False
+):
     """Log-probs (and entropies) of a rollout's completions; `share` (auto, always, never): each
-    distinct prompt computed once (`shared_hidden`, see `shares_prefix`), else the packed forward."""
-    return token_logprobs(
-        model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature, entropy, share=share
-    )
+    distinct prompt computed once (`shared_hidden`, see `shares_prefix`), else the packed forward;
+    `replay`: on each token's sampling support where the rollout has it (`Rollout.support`)."""
+    batch = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    return token_logprobs(model, *batch, temperature, entropy, share=share, support=r.support if replay else None)

@@ -88,8 +88,8 @@ def prepare(run: Run, rollout: Rollout) -> Batch:
 
     with run.runtime.timer("logprob"):
         ref_logp = forward(parts.ref)[0]  # [N, Tc]
-        old_model = parts.policy if s.old_logprobs else None  # None: the update's own, detached
-        old_logp, entropy = forward(old_model, "metric" if loss.selects_tokens else "none")  # [N, Tc] each
+        old_logp, entropy = forward(parts.policy if s.old_logprobs else None, s.old_statistic)  # None: the update's own
+        rollout.policy_stats = torch.stack([old_logp, entropy], -1) if s.old_statistic == "sum_pi_squared" else None
         values = rollout.over_micro_batches(parts.critic.values, rows) if parts.critic is not None else None  # [N, Tc]
     if loss.kl_in_reward:
         rollout.kl_penalty = loss.kl_penalty(old_logp, ref_logp)  # [N, Tc]
@@ -100,9 +100,9 @@ def prepare(run: Run, rollout: Rollout) -> Batch:
 
 
 def logprobs(run: Run, model, rollout: Rollout, entropy: str) -> tuple:
-    """`model`'s log-probs of the rollout's completions at the rollout's temperature.  -> [n, Tc], [n, Tc] | None"""
+    """`model`'s log-probs at the rollout's temperature, the policy's on replayed nuclei.  -> [n, Tc], [n, Tc] | None"""
     s = run.settings
-    return rollout_logprobs(model, rollout, s.temperature, entropy, share=s.share_prefix)
+    return rollout_logprobs(model, rollout, s.temperature, entropy, s.share_prefix, replay=model is run.parts.policy)
 
 
 # ---- 3. update: epochs x mini-batches (by groups) x micro-batches; the critic on the same mini-batches ------------

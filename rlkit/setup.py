@@ -112,6 +112,12 @@ def check_built(cfg: DictConfig, c: Validated) -> None:
     if c.advantage.needs_critic:
         require(chosen(cfg, "critic"), f"advantage={cfg.advantage._target_} needs a critic: add critic=value")
         check(target_class(cfg, "critic"), Critic, "critic")
+    stats = getattr(c.advantage, "needs_policy_stats", False)
+    require(
+        not (stats and c.loss.selects_tokens),
+        f"advantage={cfg.advantage._target_} needs the old policy's sum pi^2 from the forward that "
+        "loss.top_entropy_quantile < 1 needs for the entropies: use one of the two",
+    )
     check(c.aggregator, Aggregator, "aggregator")
     check(c.loss, PolicyLoss, "loss")
     check(c.correction, Correction, "correction")

@@ -92,15 +92,17 @@ class Settings:
     samples_every: int
     evaluation: dict  # `evaluate`'s options
     old_logprobs: bool  # the old log-probs need a forward of their own (see `of`)
+    old_statistic: str  # what that forward gives beside them: "metric" (entropy), "sum_pi_squared" or "none"
     coupled: int | None  # the seed that keys each sampled token's uniform (`rollout.coupled`), else None
 
     @classmethod
     def of(cls, cfg: DictConfig, parts: Parts) -> Settings:
         """`old_logprobs`: the old log-probs come free from the update itself (detached) unless the
-        rollout is reused, the KL sits in the reward, the loss selects tokens by their entropy, or
-        the engine's numbers are not the trainer's."""
+        rollout is reused, the KL sits in the reward, the loss selects tokens by their entropy, the
+        advantage needs the old policy's statistics, or the engine's numbers are not the trainer's."""
         rollout, optim, reward, held_out, loss = cfg.rollout, cfg.optim, cfg.reward, cfg.eval, parts.loss
         reused = optim.epochs > 1 or optim.mini_batches > 1
+        stats = getattr(parts.advantage, "needs_policy_stats", False)
         return cls(
             steps=cfg.steps,
             group_size=rollout.group_size,
@@ -129,7 +131,8 @@ class Settings:
                 pass_k=tuple(held_out.pass_k),
                 coupled=rollout.coupled,
             ),
-            old_logprobs=reused or loss.kl_in_reward or loss.selects_tokens or not parts.engine.exact_logprobs,
+            old_logprobs=reused or loss.kl_in_reward or loss.selects_tokens or stats or not parts.engine.exact_logprobs,
+            old_statistic="sum_pi_squared" if stats else "metric" if loss.selects_tokens else "none",
             coupled=cfg.seed if rollout.coupled else None,
         )
 

@@ -33,6 +33,8 @@ class Generation(NamedTuple):
     # (multi-turn episodes); None: every completion token is the model's
     forced_entropy: torch.Tensor | None = None  # [N, Tf] with `forced`: the entropy (temperature 1) before each
     # teacher-forced token, 0 on padding; None: none asked, or an engine that cannot
+    support: torch.Tensor | None = None  # [N, Tc, k] each token's top-p nucleus as sampled (vocabulary ids, -1
+    # past its end); None: not replayed (the engine's `replay_support`), or no top-p
 
 
 class Episodes(NamedTuple):
@@ -64,6 +66,9 @@ class Rollout:
     correct: torch.Tensor | None = None  # [N] bool, the answer is right (the task's score, not the shaped reward)
     behaviour_logp: torch.Tensor | None = None  # [N, Tc] log-probs the engine sampled with (Generation.logprobs)
     model_mask: torch.Tensor | None = None  # [N, Tc] 1 on the model's own tokens (Generation.model_mask); None: all
+    support: torch.Tensor | None = None  # [N, Tc, k] each token's sampling support (Generation.support); None: full
+    policy_stats: torch.Tensor | None = None  # [N, Tc, 2] log pi_old and sum_v pi_old(v)^2 at the sampling
+    # temperature, for an estimator that `needs_policy_stats` (set by the core's prepare phase); None otherwise
     episodes: list = field(default_factory=list)  # N multi-turn episodes as they ended; [] for a single-turn task
 
     def __post_init__(self):
@@ -73,7 +78,8 @@ class Rollout:
     @classmethod
     def from_generation(cls, gen: Generation, group_size: int, **fields) -> "Rollout":
         """A rollout of an engine's output; the engine's own log-probs become `behaviour_logp`."""
-        return cls(*gen[:5], group_size, behaviour_logp=gen.logprobs, model_mask=gen.model_mask, **fields)
+        extra = dict(behaviour_logp=gen.logprobs, model_mask=gen.model_mask, support=gen.support)
+        return cls(*gen[:5], group_size, **extra, **fields)
 
     @property
     def num_rows(self) -> int:

@@ -53,7 +53,8 @@ def test_a_run_generates_only_through_its_engine(tmp_path, warm_cache):
 
 def test_a_component_missing_a_declared_attribute_is_named():
     with pytest.raises(
-        ConfigError, match=r"advantage: OldStylePlugin lacks data_parallel, needs_step_rewards .*subclass it"
+        ConfigError,
+        match=r"advantage: OldStylePlugin lacks data_parallel, needs_policy_stats, needs_step_rewards .*subclass it",
     ):
         validate(make_cfg(["++advantage._target_=helpers.OldStylePlugin"]))
 

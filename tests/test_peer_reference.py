@@ -12,7 +12,7 @@ import torch
 
 from rlkit.advantages import GRPO, DrGRPO
 from rlkit.corrections import SecondMomentMask
-from rlkit.group_advantages import GPG, KRPO, OPO, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
+from rlkit.group_advantages import GPG, KRPO, OPO, OTB, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
 from rlkit.losses import PPOClip
 from rlkit.masked_losses import CEGPPO, DPPO, TOPR, Kimi, PolicyGradient
 from rlkit.types import LossInput, Rollout
@@ -56,6 +56,30 @@ def test_each_estimator_gives_the_peer_s_advantages(case, name, cls, kwargs):
 def test_reinforce_pp_gives_verl_s_whitened_token_returns_with_the_kl_in_the_reward(case):
     ours = ReinforcePP()(rollout(case["inputs"], kl=True))  # [N, T]
     torch.testing.assert_close(ours, torch.tensor(case["outputs"]["reinforce_pp"]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+def test_the_optimal_token_baseline_gives_verl_s_advantages(case):
+    x = case["inputs"]
+    r = rollout(x, kl=True)
+    r.policy_stats = torch.stack([torch.tensor(x["old_logp"]), torch.tensor(x["sum_pi_sq"])], -1)  # [N, T, 2]
+    torch.testing.assert_close(OTB()(r), torch.tensor(case["outputs"]["otb"]), rtol=1e-6, atol=1e-6)
+    tail = torch.tensor(case["outputs"]["otb_zero_tail"])
+    torch.testing.assert_close(OTB(zero_tail=True)(r), tail, rtol=1e-6, atol=1e-6)
+
+
+def test_the_optimal_token_baseline_by_hand():
+    """Equal energies and lengths: the baseline at every position is the group's mean return (Dr.
+    GRPO's advantage on every token). A group's single longest completion keeps its return as
+    the advantage past the second-longest (`zero_tail`), or gets the lone baseline without it."""
+    x = {"G": 2, "scores": [1.0, 0.0, 1.0, 0.0], "kl": [], "mask": [[1, 1, 1]] * 2 + [[1, 1, 1], [1, 0, 0]]}
+    r = rollout(x)
+    r.policy_stats = torch.stack([torch.full((4, 3), math.log(0.5)), torch.full((4, 3), 0.5)], -1)  # W_t = 0.5 t
+    adv = OTB(zero_tail=True)(r)
+    assert adv[:2].tolist() == [[0.5] * 3, [-0.5] * 3]  # returns 1, 0; baseline 0.5 at every position
+    # group 2: position 0 has both (W = 0.5 each): baseline 0.5; positions 1, 2 only the long one, zeroed
+    assert adv[2].tolist() == [0.5, 1.0, 1.0] and adv[3].tolist() == [-0.5, 0.0, 0.0]
+    assert OTB(zero_tail=False)(r)[2].tolist() == pytest.approx([0.5, 0.0, 0.0], abs=1e-7)  # its own return as baseline
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])

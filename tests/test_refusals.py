@@ -105,6 +105,14 @@ def test_bad_numbers_are_refused_before_anything_is_built(tmp_path, override, me
     assert not (tmp_path / "run").exists()
 
 
+def test_the_optimal_token_baseline_with_entropy_selection_is_refused(tmp_path):
+    """Both need the old log-probs' forward to give a second statistic (sum pi^2, entropies)."""
+    with pytest.raises(ConfigError) as e:
+        run(make_cfg(["advantage=otb", "loss.top_entropy_quantile=0.2"]), str(tmp_path / "run"))
+    assert "advantage=rlkit.group_advantages.OTB needs the old policy's sum pi^2" in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_rollout_too_large_for_memory_is_refused_with_its_size_before_allocating(tmp_path):
     cfg = make_cfg(["rollout.group_size=100000000", "rollout.prompts_per_step=1", "warm_start.steps=0"])
     with pytest.raises(

@@ -174,3 +174,17 @@ def test_the_decoder_gives_the_packed_forwards_log_probs_and_entropies(model, gr
     for a, b in zip(packed, decoded):
         assert_close(a, b)
     assert (packed[0] != 0).sum() == g[3].sum()  # a log-prob at every completion token, none on padding
+
+
+def test_the_sum_of_squared_probabilities_is_the_softmaxs(model):
+    """`entropy="sum_pi_squared"` (the optimal token baseline's statistic): sum_v pi_v^2 of the
+    distribution at the temperature before each completion token, from the model's plain forward."""
+    policy, tok = model
+    g = rollout(model, (3, 1, 5, 2))
+    with torch.no_grad():
+        _, sq = token_logprobs(policy, *g, temperature=0.7, entropy="sum_pi_squared")  # [N, Tc]
+        for i in range(len(g[0])):
+            p, c = g[0][i][g[1][i].bool()], g[2][i][g[3][i].bool()]
+            probs = torch.softmax(policy(torch.cat([p, c])[None]).logits[0, len(p) - 1 : -1] / 0.7, -1)  # [tc, V]
+            torch.testing.assert_close(sq[i, : len(c)], (probs**2).sum(-1), rtol=1e-5, atol=1e-6)
+    assert (sq[g[3] == 0] == 0).all()

@@ -27,6 +27,7 @@ def test_every_group_has_the_documented_options():
         "krpo",
         "maxrl",
         "opo",
+        "otb",
         "passk",
         "process",
         "reinforce_pp",

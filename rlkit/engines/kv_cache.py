@@ -10,7 +10,7 @@ from rlkit import parallel
 from rlkit.components import Engine
 from rlkit.draws import RowDraws
 from rlkit.engines.decoders import HFForward, decoder
-from rlkit.engines.sampling import sample
+from rlkit.engines.sampling import sample, support_logp
 from rlkit.engines.turns import Turns
 from rlkit.llama import LlamaDecoder
 from rlkit.types import Episodes, Generation
@@ -20,15 +20,19 @@ class KVCache(Engine):
     """The trainer's own model, sampled with rlkit's batched KV-cache loop (`generate` below).
     It generates from the very weights being trained, so its log-probs are the trainer's and
     `load_weights` has nothing to copy. `min_new_tokens` suppresses EOS before that many tokens
-    (`+engine.min_new_tokens=N`; the benchmarks' fixed-length mode). An engine on other hardware
+    (`+engine.min_new_tokens=N`; the benchmarks' fixed-length mode). `+engine.replay_support=true` (with
+    `rollout.top_p` < 1): each sampled token's nucleus comes with the rollout, and the trainer's
+    log-probs of the policy are taken on it, renormalised, as the sampling distribution was
+    (`Generation.support`); without it they are the full softmax's. An engine on other hardware
     or software (vLLM, SGLang) sets `exact_logprobs = False` and copies the weights in
     `load_weights`."""
 
     exact_logprobs = True
     multi_turn = True
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, min_new_tokens: int = 0):
+    def __init__(self, policy: torch.nn.Module, tokenizer, min_new_tokens: int = 0, replay_support: bool = False):
         self.policy, self.tokenizer, self.min_new_tokens = policy, tokenizer, min_new_tokens
+        self.replay_support = replay_support
 
     def generate(
         self,
@@ -55,6 +59,7 @@ class KVCache(Engine):
                     episodes=episodes,
                     draws=draws,
                     forced=forced,
+                    support=self.replay_support,
                 )
         finally:
             self.policy.train(was_training)
@@ -98,30 +103,30 @@ def generate(
     episodes: Episodes | None = None,
     draws: RowDraws | None = None,
     forced: tuple | None = None,
+    support: bool = False,
 ) -> Generation:
     """One completion per prompt with a KV cache (`prefill`); a row stops at its EOS (not before
     `min_new_tokens`), leaving the batch once an eighth have finished. temperature 0: greedy; `fast=False`:
-    the model's own forward (`HFForward`); `logprobs`: each token's under softmax(logits / temperature);
-    `episodes`: multi-turn (`Turns`); `draws`: keyed uniforms (`rlkit.draws`); `forced`: `forced_entropy`."""
+    the model's own forward (`HFForward`); `logprobs`: each token's under softmax(logits / temperature)
+    (on its top-p support with `support`, which also returns it); `episodes`: multi-turn (`Turns`);
+    `draws`: keyed uniforms (`rlkit.draws`); `forced`: `forced_entropy`."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     dec, logits, prompt_ids, prompt_mask = prefill(model, tokenizer, prompts, max_new_tokens, fast)  # [N, V], [N, Tp]
-    out = Sampled(prompt_ids, max_new_tokens, pad, logprobs, forced and forced_entropy(dec, logits, *forced))
+    out = Sampled(prompt_ids, max_new_tokens, pad, logprobs, forced and forced_entropy(dec, logits, *forced), support)
     turns = None if episodes is None else Turns(tokenizer, episodes, out.tokens)
     rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)  # [n] the original rows still in the batch
     fin = torch.zeros_like(rows, dtype=torch.bool)  # [n] finished rows still in the batch
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos] = float("-inf")
-        tok = torch.where(fin, pad, sample(logits, temperature, top_p, draws and draws.at(rows, t)))  # [n]
+        tok = torch.where(fin, pad, sample(logits, temperature, top_p, draws and draws.at(rows, t), out.step_support))
         if turns is not None:
             tok = turns.force(t, rows, tok, fin)  # [n] the environment's queued tokens replace samples
         out.record(t, rows, tok, fin, logits, temperature)
         fin = fin | (tok == eos) if turns is None else turns.advance(t, rows, tok, fin, eos)  # [n]
-        n_fin = int(fin.sum())
-        if n_fin == len(rows):
+        if bool(fin.all()):
             break
-        if n_fin and n_fin * 8 >= len(rows):  # drop the finished rows from the batch
-            rows, tok, fin = out.drop_finished(dec, rows, tok, fin)
+        rows, tok, fin = out.drop_finished(dec, rows, tok, fin)  # [n'] each
         logits = dec.step(tok)  # [n, V]
     out.done[rows[fin]] = True
     return out.generation(prompt_ids, prompt_mask, turns)
@@ -142,9 +147,10 @@ def forced_entropy(dec, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Ten
 
 class Sampled:
     """What the decode loop has sampled so far, in the original row order: tokens, which of them
-    count (before and at each row's EOS), their log-probs when asked, and which rows finished."""
+    count (before and at each row's EOS), their log-probs when asked, each token's top-p support
+    when asked (`support`), and which rows finished."""
 
-    def __init__(self, prompt_ids: torch.Tensor, max_new_tokens: int, pad: int, logprobs: bool, forced=None):
+    def __init__(self, prompt_ids, max_new_tokens: int, pad: int, logprobs: bool, forced=None, support=False):
         N, device = prompt_ids.shape[0], prompt_ids.device
         self.forced = forced  # [N, Tf] the entropies before teacher-forced tokens (`forced_entropy`) or None
         self.tokens = torch.full((N, max_new_tokens), pad, dtype=prompt_ids.dtype, device=device)  # [N, Tmax]
@@ -152,16 +158,27 @@ class Sampled:
         self.lp = torch.zeros(N, max_new_tokens, device=device) if logprobs else None  # [N, Tmax]
         self.done = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
         self.T = 0  # decode steps taken
+        self.supports = [] if support else None  # (step, rows [n], ids [n, k]) of each step that sampled top-p
+        self.step_support = [] if support else None  # what `sample` appends this step's support to
 
     def record(self, t: int, rows, tok, fin, logits: torch.Tensor, temperature: float) -> None:
         """Step t's tokens `tok` [n] of the batch's `rows` [n]; `fin` [n]: rows that had finished."""
         self.tokens[rows, t], self.alive[rows, t], self.T = tok, (~fin).long(), t + 1
+        ids = self.step_support.pop() if self.step_support else None  # [n, k] this step's supports
+        if ids is not None:
+            self.supports.append((t, rows, ids))
         if self.lp is not None:
-            picked = torch.log_softmax(logits / temperature, -1).gather(-1, tok[:, None])[:, 0]  # [n]
+            logp_all = torch.log_softmax(logits / temperature, -1)  # [n, V]
+            picked = logp_all.gather(-1, tok[:, None])[:, 0]  # [n]
+            picked = picked if ids is None else support_logp(logp_all, picked, ids)  # [n]
             self.lp[rows, t] = torch.where(fin, 0.0, picked)
 
     def drop_finished(self, dec, rows: torch.Tensor, tok: torch.Tensor, fin: torch.Tensor) -> tuple:
-        """Mark the finished rows done and take them out of the decoder's batch.  -> rows, tok, fin [n']"""
+        """Once an eighth of the rows have finished, mark them done and take them out of the decoder's
+        batch.  -> rows, tok, fin [n']"""
+        n_fin = int(fin.sum())
+        if not n_fin or n_fin * 8 < len(rows):
+            return rows, tok, fin
         self.done[rows[fin]] = True
         keep = (~fin).nonzero().squeeze(-1)  # [n']
         dec.keep(keep)
@@ -176,4 +193,15 @@ class Sampled:
             lp = lp[:, :T] if model is None else lp[:, :T] * model  # [N, T] 0 on the environment's tokens
         truncated = ~self.done if turns is None else ~self.done | turns.cut  # [N]
         tokens, alive = self.tokens[:, :T], self.alive[:, :T]  # [N, T] each
-        return Generation(prompt_ids, prompt_mask, tokens, alive, truncated, lp, model, self.forced)
+        return Generation(prompt_ids, prompt_mask, tokens, alive, truncated, lp, model, self.forced, self.support())
+
+    def support(self) -> torch.Tensor | None:
+        """Each token's top-p support as sampled, [N, T, k] vocabulary ids (-1 past each support's end,
+        and where nothing was sampled top-p); None where none was asked or none sampled top-p."""
+        if not self.supports:
+            return None
+        k = max(ids.shape[1] for _, _, ids in self.supports)
+        out = torch.full((*self.tokens.shape[:1], self.T, k), -1, dtype=torch.long, device=self.tokens.device)
+        for t, rows, ids in self.supports:
+            out[rows, t, : ids.shape[1]] = ids
+        return out  # [N, T, k]

@@ -39,7 +39,13 @@ class OffPolicy(KVCache):
     exact_logprobs = False
 
     def __init__(
-        self, policy: torch.nn.Module, tokenizer, staleness: int = 0, dtype: str = "float32", min_new_tokens: int = 0
+        self,
+        policy: torch.nn.Module,
+        tokenizer,
+        staleness: int = 0,
+        dtype: str = "float32",
+        min_new_tokens: int = 0,
+        replay_support: bool = False,
     ):
         require(
             isinstance(staleness, int) and staleness >= 0, f"engine.staleness must be an int >= 0, got {staleness!r}"
@@ -49,7 +55,7 @@ class OffPolicy(KVCache):
             not parallel.is_sharded(policy),
             "engine=off_policy keeps a whole copy of the policy on each process; use parallel=replicate",
         )
-        super().__init__(policy, tokenizer, min_new_tokens)
+        super().__init__(policy, tokenizer, min_new_tokens, replay_support)
         self.staleness, self.dtype = staleness, DTYPES[dtype]
         self.copy = copy.deepcopy(policy).to(self.dtype).eval().requires_grad_(False)
         self.queue: deque[dict] = deque()  # versions not yet loaded, oldest first
@@ -76,6 +82,7 @@ class OffPolicy(KVCache):
             logprobs=temperature > 0,
             episodes=episodes,
             draws=draws,
+            support=self.replay_support,
         )
 
     def load_weights(self, policy: torch.nn.Module) -> None:

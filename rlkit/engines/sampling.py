@@ -10,10 +10,11 @@ BLOCK = 1024  # vocabulary entries summed together before the running sum looks 
 FIRST_K = 64  # candidates the nucleus first tries; doubled until every row's nucleus fits
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None = None, support=None):
     """One token per row from softmax(logits / temperature), restricted to the top-p nucleus;
     temperature 0 is greedy. `u` [N] (float64 in [0, 1)): each row's uniform, drawn from torch's
-    generator when not given.  [N, V] -> [N]"""
+    generator when not given. `support`: a list that receives the nucleus, each row's vocabulary
+    ids [N, k] (-1 past its end; nothing with top_p 1 or greedy).  [N, V] -> [N]"""
     if temperature == 0:
         return logits.argmax(-1)  # [N]
     probs = torch.softmax(logits / temperature, -1)  # [N, V]
@@ -22,6 +23,8 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tens
     if top_p >= 1.0:
         return inverse_cdf(probs, u)  # [N]
     kept, order = nucleus(probs, top_p)  # [N, k] each
+    if support is not None:
+        support.append(order.masked_fill(kept == 0, -1))  # [N, k]
     return order.gather(-1, inverse_cdf(kept, u)[:, None]).squeeze(-1)  # [N]
 
 
@@ -37,6 +40,15 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
         if k == V or bool(drop[:, -1].all()):  # every row's nucleus ended before its k-th entry
             return top.masked_fill(drop, 0.0), order
         k = min(2 * k, V)
+
+
+def support_logp(logp_all: torch.Tensor, logp: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Log-probs under the distribution renormalised on each token's sampling support: `logp` less
+    the log of the mass that softmax `logp_all` puts on the support's ids (-1: none; a token with
+    none keeps its log-prob).  logp_all [..., V], logp [...], support [..., k] -> [...]"""
+    on = logp_all.gather(-1, support.clamp(min=0)).masked_fill(support < 0, float("-inf"))  # [..., k]
+    mass = on.logsumexp(-1)  # [...]
+    return logp - torch.where(support[..., 0] < 0, 0.0, mass)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
