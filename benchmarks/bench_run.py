@@ -14,8 +14,8 @@ evaluations), and the rate of each step phase in GFLOPS from the FLOPs of its ma
 (`bench_step.flops`, with the run's mean completion length and `--prompt-tokens`) beside the
 machine's fp32 matmul rate. Before the table it says whether both sides logged the same values at
 the first evaluation (same weights: the same greedy tokens give the same accuracies and lengths) and
-at how many steps all their logged training values agree (the sampled tokens equal). Time it on an
-otherwise idle machine.
+at how many steps all their logged training values agree (the sampled tokens equal), equal or within
+1e-5 relative (the float rounding of a changed kernel). Time it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -61,15 +61,24 @@ def phases(side: dict) -> dict:
     return out
 
 
-def agreement(a: dict, b: dict) -> tuple[bool, int, int]:
-    """(the first evaluation's values equal, steps whose training values all agree, steps compared)"""
+def agreement(a: dict, b: dict, rel: float = 1e-5) -> tuple[bool, int, int]:
+    """(the first evaluation's values agree, steps whose training values all agree, steps compared):
+    equal, or numbers within `rel` of each other (relative; float rounding of a changed kernel)."""
+
+    def close(x: dict, y: dict) -> bool:
+        if x.keys() != y.keys():
+            return False
+        nums = [(u, v) for u, v in zip(x.values(), (y[k] for k in x)) if isinstance(u, float) and isinstance(v, float)]
+        return all(abs(u - v) <= rel * max(1.0, abs(u)) for u, v in nums) and all(
+            x[k] == y[k] for k in x if not isinstance(x[k], float)
+        )
 
     def values(line: dict, prefix: str) -> dict:
         return {k: v for k, v in line.items() if k.startswith(prefix)}
 
-    first = values(a["lines"][0], "eval/") == values(b["lines"][0], "eval/")
+    first = close(values(a["lines"][0], "eval/"), values(b["lines"][0], "eval/"))
     steps = [(x, y) for x, y in zip(a["lines"], b["lines"]) if "train/loss" in x and "train/loss" in y]
-    same = sum(values(x, "train/") == values(y, "train/") for x, y in steps)
+    same = sum(close(values(x, "train/"), values(y, "train/")) for x, y in steps)
     return first, same, len(steps)
 
 
@@ -136,7 +145,7 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", root], check=False, cwd=REPO)
     if len(sides) == 2:
         first, same, n = agreement(*sides)
-        print(f"first evaluation's values equal: {first}; steps with every training value equal: {same} of {n}")
+        print(f"first evaluation's values agree: {first}; steps with every training value agreeing: {same} of {n}")
     described = model_config(sides[0]["config"])
     flops = None if described is None else step_flops(sides[0], *described, a.prompt_tokens)
     table(names, sides, flops)

@@ -199,6 +199,6 @@ def test_the_run_benchmark_times_two_whole_runs_phase_by_phase(tmp_path, monkeyp
     monkeypatch.setattr("sys.argv", ["bench_run", "--against", "HEAD", "--steps", "2", "--config", *config])
     load("bench_run").main()
     out = capsys.readouterr().out
-    assert "first evaluation's values equal: True; steps with every training value equal: 2 of 2" in out
+    assert "first evaluation's values agree: True; steps with every training value agreeing: 2 of 2" in out
     assert "| this checkout |" in out and "| HEAD |" in out and "wall time this checkout / HEAD" in out
     assert list(tmp_path.glob("rlkit-bench-*")) == []

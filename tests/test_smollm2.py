@@ -340,6 +340,8 @@ NEW_VARIANTS = [
     "advantage=opo",
     "advantage=passk",
     "advantage=krpo",
+    "advantage=otb",
+    "rollout.top_p=0.9 +engine.replay_support=true",
     "algo=reinforce_pp",
     "loss=pg",
     "loss=dppo",
@@ -355,7 +357,7 @@ def test_each_newer_estimator_and_loss_takes_a_real_model_step(tmp_path):
     group, so a group can hold a signal): the step finishes with a finite loss and gradient."""
     for i, option in enumerate(NEW_VARIANTS):
         run(
-            small(*LORA, option, "rollout.group_size=4", "rollout.max_new_tokens=4", "checkpoint.every=0"),
+            small(*LORA, *option.split(), "rollout.group_size=4", "rollout.max_new_tokens=4", "checkpoint.every=0"),
             str(tmp_path / str(i)),
         )
         rows = metrics(tmp_path / str(i))
