@@ -45,6 +45,7 @@ from hydra import compose, initialize_config_module
 from rlkit import parallel
 from rlkit.config import build
 from rlkit.guards import checked_advantages
+from rlkit.llama import base_model
 from rlkit.logprobs import rollout_logprobs
 from rlkit.loop import collect, prepare_and_update
 from rlkit.setup import setup
@@ -113,12 +114,18 @@ def with_context(state, chars: int) -> None:
     )
 
 
-def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
-    """TRL's GRPOTrainer on a copy of rlkit's policy (saved, so TRL can build its reference from it)."""
+def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool, lora: int = 0):
+    """TRL's GRPOTrainer on a copy of rlkit's policy (saved, so TRL can build its reference from it);
+    `lora` > 0: rlkit's policy has LoRA adapters of that rank on every linear layer, TRL gets the
+    same `peft_config` on the base model and a copy of rlkit's adapter weights."""
+    from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
     from trl import GRPOConfig, GRPOTrainer
 
     c = state.cfg
-    state.parts.policy.save_pretrained(model_dir)
+    if lora:
+        save_base(state.parts.policy, model_dir)
+    else:
+        state.parts.policy.save_pretrained(model_dir)
     state.parts.tokenizer.save_pretrained(model_dir)
     task = state.parts.task
 
@@ -162,12 +169,28 @@ def trl_trainer(state, model_dir: str, out_dir: str, rounds: int, fixed: bool):
         generation_kwargs={"min_new_tokens": c.rollout.max_new_tokens} if fixed else None,
     )
     data = Dataset.from_dict({"prompt": list(task.train["prompt"]), "answer": [str(a) for a in task.train["answer"]]})
-    model = type(state.parts.policy).from_pretrained(model_dir).to(state.runtime.device)
+    model = type(base_model(state.parts.policy)).from_pretrained(model_dir).to(state.runtime.device)
+    peft = LoraConfig(r=lora, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=state.parts.tokenizer
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=state.parts.tokenizer,
+        peft_config=peft,
     )
+    if lora:
+        set_peft_model_state_dict(trainer.model, get_peft_model_state_dict(state.parts.policy))
     trainer.current_gradient_accumulation_steps = 1  # set by its training loop; `equal_maths` runs before it
     return trainer
+
+
+def save_base(policy, model_dir: str) -> None:
+    """A LoRA policy's base model (its weights without the adapters) as a plain checkpoint."""
+    names = {k.replace(".base_layer", ""): v for k, v in base_model(policy).state_dict().items() if "lora_" not in k}
+    plain = type(base_model(policy))(base_model(policy).config)
+    plain.load_state_dict(names, strict=False)
+    plain.save_pretrained(model_dir)
 
 
 # ---- equal maths: one rollout, both sides' advantages, reference log-probs, loss and gradient ---------------------
@@ -219,7 +242,8 @@ def equal_maths(state, trainer) -> dict:
     theirs = trainer.compute_loss(policy, inputs)
     theirs.backward()
     on = cmask.bool()
-    grads = [(p.grad, q.grad) for p, q in zip(state.parts.policy.parameters(), policy.parameters())]
+    pairs = zip(state.parts.policy.parameters(), policy.parameters())
+    grads = [(p.grad, q.grad) for p, q in pairs if p.requires_grad]  # LoRA: the adapters' only
     out = {
         "advantage": float((adv[:, 0] - inputs["advantages"]).abs().max()),
         "reference logp": float((ref - inputs["ref_per_token_logps"])[on].abs().max()),
@@ -336,13 +360,16 @@ def compare(
     max_new: int,
     extra: list[str] = (),
     context: int = 0,
+    lora: int = 0,
 ) -> dict:
-    """TRL, rlkit and rlkit without the shared prefix alternating steps; `context`: long prompts."""
+    """TRL, rlkit and rlkit without the shared prefix alternating steps; `context`: long prompts;
+    `lora`: LoRA adapters of that rank on every linear layer on each side."""
     from transformers import TrainerCallback
 
     fixed = mode == "fixed"
     positions = [f"model.max_position_embeddings={context + 32 + max_new}"] if context else []  # the prompt must fit
-    extra = [*SIZES.get(size, []), *extra, *positions]
+    adapters = [f"model.lora_r={lora}", "model.lora_alpha=16", "model.lora_targets=all-linear"] if lora else []
+    extra = [*SIZES.get(size, []), *extra, *positions, *adapters]
     with tempfile.TemporaryDirectory() as tmp:
         state = rlkit_state(extra, os.path.join(tmp, "rlkit"), prompts, group, max_new, fixed)
         unshared = rlkit_state(
@@ -350,7 +377,7 @@ def compare(
         )
         for s in [state, unshared] if context else []:
             with_context(s, context)
-        trainer = trl_trainer(state, os.path.join(tmp, "model"), os.path.join(tmp, "trl"), rounds, fixed)
+        trainer = trl_trainer(state, os.path.join(tmp, "model"), os.path.join(tmp, "trl"), rounds, fixed, lora)
         MODELS[:] = [m for s in (state, unshared) for m in (s.parts.policy, s.parts.ref) if m is not None]
         MODELS.extend(m for m in (trainer.model, trainer.ref_model) if m is not None)
         params = sum(p.numel() for p in state.parts.policy.parameters())
@@ -388,6 +415,7 @@ def compare(
             "time ratio": a["step"] / b["step"],
             "memory ratio": a["peak"] / b["peak"],
             "context": context,
+            "lora": lora,
         }
         c = res["rlkit unshared"] = off.summary(warmup)
         res["sharing"] = {"time": c["step"] / a["step"], "activations": c["activations"] / a["activations"]}
@@ -396,7 +424,8 @@ def compare(
 
 def report(res: dict) -> None:
     c = res["check"]
-    print(f"\n== {res['size']} ({res['params'] / 1e6:.2f}M parameters), {res['mode']} length ==")
+    tuning = f"LoRA rank {res['lora']}" if res.get("lora") else "full fine-tuning"
+    print(f"\n== {res['size']} ({res['params'] / 1e6:.2f}M parameters), {res['mode']} length, {tuning} ==")
     print(
         f"equal maths on one rollout ({c['rows']} rows, mean length {c['mean length']:.1f}): max |diff| "
         f"advantage {c['advantage']:.1e}, reference logp {c['reference logp']:.1e}, loss {c['loss']:.1e}, "
@@ -434,6 +463,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rlkit", nargs="*", default=[], help="extra rlkit overrides, e.g. optim.micro_batch_tokens=512")
     p.add_argument("--context", type=int, default=0, help="characters of solved examples before every question")
+    p.add_argument(
+        "--lora", type=int, default=0, help="LoRA rank on every linear layer, both sides (0: full fine-tuning)"
+    )
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     with open("/proc/loadavg") as f:
@@ -451,6 +483,7 @@ def main() -> None:
                     a.max_new,
                     [f"threads={a.threads}", *a.rlkit],
                     a.context,
+                    a.lora,
                 )
             )
 
