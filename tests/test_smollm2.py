@@ -127,6 +127,26 @@ def test_training_logprobs_equal_a_plain_unbatched_forward(smol, prompts):
                 torch.testing.assert_close(mine[i, : len(c)], plain, atol=2e-4, rtol=0)
 
 
+def test_replayed_nuclei_and_the_decoder_path_on_the_real_model(smol, prompts):
+    """Top-p replay on SmolLM2: each sampled token lies in its recorded nucleus and the engine's
+    renormalised log-prob is the trainer's replayed one; the decoder path (the probe's, `decoded`)
+    gives the packed forward's log-probs and entropies."""
+    _, policy, tokenizer = smol
+    torch.manual_seed(0)
+    out = generate(policy, tokenizer, prompts, 8, 0.8, 0.7, logprobs=True, support=True)
+    args = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    on = out.completion_mask.bool()
+    assert ((out.support == out.completion_ids[..., None]).any(-1) | ~on).all()  # the token is in its nucleus
+    with torch.no_grad():
+        replayed, _ = token_logprobs(policy, *args, temperature=0.8, support=out.support)  # [N, Tc]
+        full, ent = token_logprobs(policy, *args, temperature=0.8, entropy="metric")
+        decoded, ent_d = token_logprobs(policy, *args, temperature=0.8, entropy="metric", decoded=True)
+    torch.testing.assert_close(replayed[on], out.logprobs[on], atol=2e-4, rtol=0)
+    assert float((replayed - full)[on].max()) > 0.01  # the nucleus left mass out somewhere
+    torch.testing.assert_close(decoded[on], full[on], atol=2e-4, rtol=0)
+    torch.testing.assert_close(ent_d[on], ent[on], atol=2e-4, rtol=0)
+
+
 LORA = ["model.lora_r=4", "model.lora_targets=[q_proj,v_proj]", "optim.lr=1e-3"]
 
 
