@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from rlkit.models import AdaptersOff
 from rlkit.parallel import is_sharded
+from rlkit.projections import fused, head, lora_adapters
 from rlkit.tensors import completion_width, pack, positions
 
 
@@ -194,32 +195,6 @@ def norm(module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, module.weight.shape, module.weight, eps)
 
 
-def lora_adapters(m) -> list | None:
-    """The active adapters of a vanilla LoRA layer (peft over an `nn.Linear`, adapters on and not
-    merged, no DoRA or LoRA bias, no dropout active); None for anything else."""
-    base, active = getattr(m, "base_layer", None), getattr(m, "active_adapters", [])
-    if type(base) is not torch.nn.Linear or m.disable_adapters or m.merged or m.fan_in_fan_out:
-        return None
-    active = [a for a in active if a in m.lora_A]
-    for a in active:
-        variant = a in getattr(m, "lora_variant", {}) or m.lora_B[a].bias is not None  # DoRA, a LoRA bias
-        if variant or (m.training and type(m.lora_dropout[a]) is not torch.nn.Identity):
-            return None
-    return active
-
-
-def applied_weight(m) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The (weight [out, in], bias) a linear layer applies: a plain `nn.Linear`'s own, or a vanilla
-    LoRA layer's (`lora_adapters`) with its adapters folded in, W + scaling B A (the same map, to
-    float rounding). None for anything else."""
-    if type(m) is torch.nn.Linear:
-        return m.weight, m.bias
-    active = lora_adapters(m)
-    if active is None:
-        return None
-    return m.base_layer.weight + sum(m.get_delta_weight(a) for a in active), m.base_layer.bias
-
-
 def linear(m, x: torch.Tensor) -> torch.Tensor:
     """`m(x)`; for a vanilla LoRA layer (`lora_adapters`) its adapters added onto the base output in
     one addmm each, x W^T + s (x A^T) B^T, instead of peft's separate product, scaling and sum
@@ -232,23 +207,6 @@ def linear(m, x: torch.Tensor) -> torch.Tensor:
     for a in active:
         y = torch.addmm(y, m.lora_A[a](flat), m.lora_B[a].weight.t(), alpha=m.scaling[a])  # [n, out]
     return y.view(*x.shape[:-1], -1)
-
-
-@torch.no_grad()
-def fused(*linears):
-    """One projection computing several linear layers side by side (outputs concatenated), with
-    the weight they apply (`applied_weight`: LoRA adapters folded in) copied input-major, which
-    small-batch matmuls on a CPU run faster on. On a GPU (where a copy of a large model's weights
-    would not fit and cuBLAS needs none) and for anything else each module runs itself."""
-    applied = [applied_weight(m) for m in linears]
-    plain = all(a is not None for a in applied) and len({a[1] is None for a in applied}) == 1
-    if plain and applied[0][0].device.type == "cpu":
-        weight = torch.cat([w for w, _ in applied]).t().contiguous()  # [in, sum out]
-        if applied[0][1] is None:
-            return lambda x: x @ weight
-        bias = torch.cat([b for _, b in applied])  # [sum out]
-        return lambda x: torch.addmm(bias, x.flatten(0, -2), weight).view(*x.shape[:-1], -1)
-    return lambda x: torch.cat([m(x) for m in linears], -1)
 
 
 def shared_prefix_layout(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -277,6 +235,7 @@ class LlamaDecoder:
     def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens: int):
         m = base_model(model)
         self.lm_head, self.body = m.lm_head, m.model
+        self.head = head(m.lm_head)  # [n, H] -> [n, V]
         cfg = m.config
         self.layers = list(self.body.layers)
         self.qkv = [fused(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
@@ -336,7 +295,7 @@ class LlamaDecoder:
         to every row), then each row's rest.  -> the last position's logits [N, V]"""
         h = self._prefill(every=False)  # [N, H]
         self.pos = self.pos[:, -1]  # [N]
-        return self.lm_head(h).float()  # [N, V]
+        return self.head(h).float()  # [N, V]
 
     def hidden(self) -> torch.Tensor:
         """The final hidden state at every token of the (left-padded) rows, each at its column of
@@ -381,7 +340,7 @@ class LlamaDecoder:
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         self.len, self.pos = self.len + 1, self.pos + 1
         h = self._forward(tok[:, None], self.pos[:, None], self.mask[:, None, None, : self.len])  # [n, H]
-        return self.lm_head(h).float()  # [n, V]
+        return self.head(h).float()  # [n, V]
 
     def keep(self, idx: torch.Tensor) -> None:
         L = self.len

@@ -11,9 +11,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import encode_prompts, generate
 from rlkit.engines.sampling import sample as _sample
-from rlkit.llama import LlamaDecoder, applied_weight, causal_parts, shared_prefix_layout
+from rlkit.llama import LlamaDecoder, causal_parts, shared_prefix_layout
 from rlkit.logprobs import token_logprobs
 from rlkit.models import AdaptersOff, TinyQwen2
+from rlkit.projections import FEW_ROWS, fused, head
 from rlkit.tasks.arithmetic import ALPHABET
 from rlkit.tensors import pack, positions
 from rlkit.types import Rollout
@@ -278,34 +279,46 @@ def test_packed_log_probs_under_lora_and_for_the_adapters_off_reference():
     assert torch.allclose(off[m], base[m], atol=1e-5) and not torch.allclose(on[m], base[m], atol=1e-3)
 
 
-def test_the_decoder_folds_lora_adapters_into_its_weights_and_decodes_what_the_peft_model_does():
-    """Decoding a LoRA policy runs one matmul per fused projection with W + scaling B A: the same
-    greedy tokens as `model.generate` through peft's layers, the same logits to float rounding;
-    adapters turned off, the base model's."""
+def test_the_decoder_runs_lora_adapters_beside_its_kept_weights_and_decodes_what_the_peft_model_does():
+    """Decoding a LoRA policy runs each fused projection on the base weights (reordered once and
+    kept while frozen) plus the adapters' low-rank product: the same outputs as peft's layers for a
+    decode step's few rows and a prefill's many, the same greedy tokens as `model.generate`, the
+    same logits to float rounding; adapters trained in between, or turned off, are decoded as they
+    are now."""
     model, tok = tiny_qwen2()
     base_logits = decoder(model, *encode_prompts(tok, PROMPTS), 4).prefill()  # [N, V] before the adapters go in
     lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0))
     for p in (p for n, p in lora.named_parameters() if "lora_B" in n):
         torch.nn.init.normal_(p, std=0.3)  # adapters that change the output
     lora.eval()
-    adapted = [m for m in lora.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
-    x = torch.randn(5, 32)
-    for m in adapted:  # each LoRA layer as one weight
-        weight, bias = applied_weight(m)
-        assert torch.allclose(torch.nn.functional.linear(x, weight, bias), m(x), atol=1e-6)
-    assert len(adapted) == 6 and not torch.allclose(adapted[0](x), adapted[0].base_layer(x), atol=1e-2)
-    dec = decoder(lora, *encode_prompts(tok, PROMPTS), 4)
+    layer = lora.get_base_model().model.layers[0]
+    qkv = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+    for rows in (3, FEW_ROWS + 5):  # the reordered weights, then the weights as they are
+        x = torch.randn(rows, 32)
+        with torch.no_grad():
+            want = torch.cat([m(x) for m in qkv], -1)  # [rows, sum out]
+            assert torch.allclose(fused(*qkv)(x), want, atol=1e-5)
+            assert torch.allclose(head(lora.get_base_model().lm_head)(x), lora.get_base_model().lm_head(x), atol=1e-5)
+    assert not torch.allclose(qkv[0](x), qkv[0].base_layer(x), atol=1e-2)
     ids, mask = encode_prompts(tok, PROMPTS)
-    with torch.no_grad():
-        want = lora(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1]  # [N, V]
-    got = dec.prefill()  # [N, V]
-    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(got, base_logits, atol=1e-2)
+
+    def peft_logits():  # [N, V]
+        with torch.no_grad():
+            return lora(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1]
+
+    got = decoder(lora, ids, mask, 4).prefill()  # [N, V]
+    assert torch.allclose(got, peft_logits(), atol=1e-5) and not torch.allclose(got, base_logits, atol=1e-2)
     greedy = generate(lora, tok, PROMPTS, 12, temperature=0)
     ours = greedy.completion_ids.masked_fill(greedy.completion_mask == 0, tok.pad_token_id)  # [N, T]
     theirs = reference_greedy(lora, tok, PROMPTS, 12)
     assert torch.equal(ours, theirs.masked_fill(ours == tok.pad_token_id, tok.pad_token_id))
+    with torch.no_grad():  # an adapter trained, a frozen base weight changed in place: decoded as they are now
+        next(p for n, p in lora.named_parameters() if "lora_B" in n).add_(0.5)
+        qkv[1].weight.mul_(1.5)  # k_proj: no adapter, frozen
+    now = decoder(lora, ids, mask, 4).prefill()  # [N, V]
+    assert torch.allclose(now, peft_logits(), atol=1e-5) and not torch.allclose(now, got, atol=1e-2)
     with lora.disable_adapter():
-        assert torch.allclose(decoder(lora, *encode_prompts(tok, PROMPTS), 4).prefill(), base_logits, atol=1e-6)
+        assert torch.allclose(decoder(lora, ids, mask, 4).prefill(), peft_logits(), atol=1e-6)
 
 
 def test_micro_batches_cover_every_row_once_within_the_limits():
