@@ -36,6 +36,7 @@ STUDIES = [
     "clip_higher_smollm2_binding",  # second declaration of clip_higher_smollm2 (its premise failed), linked from it
     "length_bias",
     "length_bias_smollm2_powered",  # second declaration of length_bias_smollm2 (inconclusive, 3 seeds), linked from it
+    "length_bias_smollm2_grown",  # third declaration: 96 tokens, 30 steps, the baseline's growth a premise
     "pass_at_k32_smollm2",  # second declaration of pass_at_k_smollm2 (its positive control failed), linked from it
     "calculator_smollm2",
 ]
