@@ -190,3 +190,17 @@ def test_kl_in_the_reward_is_beta_times_the_estimate_and_stays_out_of_the_loss()
 def test_bad_loss_options_are_named(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+def test_dro_is_the_quadratic_penalised_policy_gradient_by_hand(fast_cfg):
+    """`loss=dro`: -(A log pi - beta/2 (log pi - log pi_old)^2) per token with beta 0.05. By hand:
+    log pi -1.0, log pi_old -1.2, A 2: -(-2 - 0.025 * 0.04) = 2.001; its gradient in log pi is
+    -A + beta (log pi - log pi_old) = -2 + 0.01 = -1.99; at log pi = log pi_old, plain -A."""
+    from rlkit.config import build
+
+    dro = build(fast_cfg("loss=dro"), "loss")
+    logp = torch.tensor([[-1.0, -0.5]], requires_grad=True)
+    loss, _ = dro.surrogate(logp, torch.tensor([[-1.2, -0.5]]), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2))
+    torch.testing.assert_close(loss.detach(), torch.tensor([[2.001, -0.5]]))
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.99, 1.0]]))

@@ -58,6 +58,7 @@ def test_every_group_has_the_documented_options():
         "cispo",
         "clip_cov",
         "dppo",
+        "dro",
         "gmpo",
         "gspo",
         "kimi",
