@@ -1,6 +1,6 @@
 """Policy losses beyond PPO's clipped surrogate (config group `loss`): GPG's plain policy gradient,
-DPPO's divergence mask, TOPR's tapered importance weights, Kimi k1.5's squared log-ratio and
-CE-GPPO's gradient-preserving clip."""
+DPPO's divergence mask, TOPR's tapered importance weights, Kimi k1.5's squared log-ratio,
+CE-GPPO's gradient-preserving clip and ASPO's flipped weight for positive tokens."""
 
 from __future__ import annotations
 
@@ -109,3 +109,64 @@ class CEGPPO(Regularised):
             "clip_frac_high": high.float(),
             "ratio_dev": (ratio - 1).abs().detach(),
         }
+
+
+class ASPO(Regularised):
+    """ASPO (Wang et al. 2025, arXiv 2510.06062, as the authors' Archer2.0 code has it): a positive-
+    advantage token's importance weight is flipped, its loss -A c / sg(c)^2 with c = min(r, 1 + eps)
+    (value -A / c, gradient in log pi -A / c: low-probability tokens the policy moved away from are
+    pushed up harder, tokens it already raised less); a negative one keeps PPO's -A max(r, 1 - eps).
+    A soft dual clip replaces a weight past `dual_clip` (1/c for A > 0, c for A < 0) by the constant
+    `dual_clip` on -A log pi, so those tokens keep a bounded gradient. eps is `eps_low`/`eps_high` on a
+    row's low-entropy tokens and `eps_low_forking`/`eps_high_forking` on its forking ones: entropy
+    above the row's `entropy_quantile` quantile, under the policy being updated. The authors' values:
+    0.2, 0.2, 0.4, 0.4, quantile 0.8, dual clip 3 both sides."""
+
+    def __init__(
+        self,
+        eps_low: float = 0.2,
+        eps_high: float = 0.2,
+        eps_low_forking: float = 0.4,
+        eps_high_forking: float = 0.4,
+        entropy_quantile: float = 0.8,
+        dual_clip: float = 3.0,
+        **regularise,
+    ):
+        super().__init__(**regularise)
+        require(0 <= min(eps_low, eps_low_forking) and max(eps_low, eps_low_forking) < 1, "loss.eps_low* in [0, 1)")
+        require(min(eps_high, eps_high_forking) >= 0, "loss.eps_high* must be >= 0")
+        require(0 <= entropy_quantile <= 1 and dual_clip > 1, "loss.entropy_quantile in [0, 1], dual_clip > 1")
+        self.eps = (eps_low, eps_high, eps_low_forking, eps_high_forking)
+        self.quantile, self.dual_clip = entropy_quantile, dual_clip
+
+    def weighted_surrogate(self, x):
+        forking = forking_tokens(x.entropy.detach(), x.mask, self.quantile)  # [n, Tc]
+        loss, stats = self.asymmetric(x.logp, x.old_logp, x.adv, forking)
+        return (loss if x.is_weight is None else loss * x.is_weight), stats
+
+    def asymmetric(self, logp, old_logp, adv, forking):
+        """The per-token loss [n, Tc] given which tokens are forking ones [n, Tc] (bool)."""
+        ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # [n, Tc]
+        lo, hi, lo_f, hi_f = self.eps
+        neg = ratio.clamp(min=1 - torch.where(forking, lo_f, lo))  # [n, Tc] PPO's for A < 0
+        pos = ratio.clamp(max=1 + torch.where(forking, hi_f, hi))  # [n, Tc] flipped for A >= 0
+        neg_dual, pos_dual = neg > self.dual_clip, 1 / pos > self.dual_clip  # [n, Tc] each
+        bounded = -adv * self.dual_clip * logp  # [n, Tc] the soft dual clip: weight dual_clip on -A log pi
+        neg_loss = torch.where(neg_dual, bounded, -adv * neg)
+        pos_loss = torch.where(pos_dual, bounded, -adv * (pos / pos.detach()) / pos.detach())
+        negative = adv < 0
+        clipped = torch.where(negative, neg, pos).detach()  # [n, Tc]
+        return torch.where(negative, neg_loss, pos_loss), {
+            "clip_frac_low": (ratio < clipped).float(),
+            "clip_frac_high": (ratio > clipped).float(),
+            "dual_clip_frac": torch.where(negative, neg_dual, pos_dual).float(),
+            "ratio_dev": (ratio - 1).abs().detach(),
+        }
+
+
+def forking_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Each row's tokens whose entropy is above the row's `quantile` quantile over its own masked
+    tokens (none in a row without tokens).  [n, Tc] each -> [n, Tc] bool"""
+    masked = torch.where(mask.bool(), entropy.float(), torch.nan)  # [n, Tc]
+    threshold = torch.nanquantile(masked, quantile, dim=-1, keepdim=True)  # [n, 1]
+    return (masked > threshold) & mask.bool()

@@ -14,7 +14,7 @@ from rlkit.advantages import GRPO, DrGRPO
 from rlkit.corrections import SecondMomentMask
 from rlkit.group_advantages import GPG, KRPO, OPO, OTB, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
 from rlkit.losses import PPOClip
-from rlkit.masked_losses import CEGPPO, DPPO, TOPR, Kimi, PolicyGradient
+from rlkit.masked_losses import ASPO, CEGPPO, DPPO, TOPR, Kimi, PolicyGradient
 from rlkit.types import LossInput, Rollout
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "peer_reference.json").read_text())
@@ -206,3 +206,23 @@ def test_dppo_masks_only_tokens_pushed_past_delta_in_their_advantage_s_direction
     # up by 0.2 with A > 0: masked; up with A < 0: kept; down by 0.2 with A < 0: masked; up 0.05: kept
     assert stats["masked_frac"].tolist() == [[1.0, 0.0, 1.0, 0.0]]
     assert loss[0].tolist() == pytest.approx([0.0, 1.4, 0.0, -1.1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+@pytest.mark.parametrize("which", ["aspo", "aspo_wide"])
+def test_aspo_gives_the_authors_per_token_loss_and_gradient(case, which):
+    """Against the ASPO authors' function (Archer2.0) with the settings their actor passes, on the
+    fixture's log-ratios and on four times them (`aspo_wide`: ratios past both soft dual clips): the
+    per-token loss and its gradient with respect to the log-probs, on the completion tokens; the
+    forking tokens from each row's entropies as their actor selects them."""
+    x = {k: torch.tensor(case["inputs"][k]) for k in ("logp", "old_logp", "adv", "mask", "entropy")}
+    if which == "aspo_wide":
+        x["logp"] = x["old_logp"] + 4 * (x["logp"] - x["old_logp"])
+    logp = x["logp"].clone().requires_grad_()
+    loss, stats = ASPO().weighted_surrogate(LossInput(logp, x["old_logp"], x["adv"], x["mask"], entropy=x["entropy"]))
+    (loss * x["mask"]).sum().backward()
+    m = x["mask"].bool()
+    torch.testing.assert_close(loss[m], torch.tensor(case["outputs"][f"{which}_loss"])[m], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logp.grad[m], torch.tensor(case["outputs"][f"{which}_grad"])[m], rtol=1e-6, atol=1e-6)
+    if which == "aspo_wide":
+        assert stats["dual_clip_frac"][m].sum() > 0 and stats["clip_frac_high"][m].sum() > 0

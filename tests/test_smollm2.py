@@ -368,6 +368,8 @@ NEW_VARIANTS = [
     "loss=topr",
     "loss=kimi",
     "loss=ce_gppo",
+    "loss=aspo",
+    "loss=dro",
     "loss.positive_nll=0.1",
 ]
 

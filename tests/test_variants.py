@@ -54,6 +54,7 @@ def test_every_group_has_the_documented_options():
         "rloo",
     ]
     assert options("loss") == [
+        "aspo",
         "ce_gppo",
         "cispo",
         "clip_cov",
@@ -112,18 +113,21 @@ def update_numbers(lines: list[dict]) -> list:
 # options that act only under a condition the small default run may not meet, and that condition:
 # dynamic sampling needs a group without signal (likelier with 2 completions), KL-Cov's penalty is 0
 # at the first update of a rollout (logp = old logp), and the sequence mask needs a sequence past delta,
-# as DPPO's token mask needs a token past delta and CE-GPPO a clipped token (else each is PPO at ratio 1)
+# as DPPO's token mask needs a token past delta, CE-GPPO a clipped token and ASPO a ratio off 1 (else each
+# is PPO at ratio 1)
 ENGAGE = {
     "sampler=dapo": "rollout.group_size=2",
     "loss=kl_cov": "optim.mini_batches=2",
     "loss=dppo": "optim.mini_batches=2",
     "loss=ce_gppo": "optim.mini_batches=2",
+    "loss=aspo": "optim.mini_batches=2",  # at ratio 1 the flipped weight 1/r is PPO's r
 }
 OWN_OPTION = {
     f"correction=opsm {OFF_POLICY}": "correction.delta=0",
     f"correction=m2po {OFF_POLICY}": "correction.threshold=1e-6",  # a bf16 engine's (log rho)^2 is about 4e-5
     "loss=dppo": "loss.delta_low=1e-3 loss.delta_high=1e-3",
     "loss=ce_gppo": "loss.eps_low=1e-4 loss.eps_high=1e-4",
+    "loss=aspo": "loss.eps_low=1e-4 loss.eps_high=1e-4 loss.eps_low_forking=1e-4 loss.eps_high_forking=1e-4",
 }
 
 
