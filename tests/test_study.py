@@ -718,3 +718,22 @@ def test_a_misspelled_premise_metric_stops_the_study_after_its_pilot(tmp_path):
         check_logged(spec, recs)
     assert stop.value.code == 2
     check_logged(gated(tmp_path), recs)  # spelled right: nothing to say
+
+
+def test_a_declared_first_seed_offsets_every_run_seed_and_the_protocol_says_so(tmp_path):
+    """`seeds.first` 7: the study's seed 1 trains with seed=8 (the command its run log starts with), its
+    bookkeeping keeps the index; the protocol line names the first run seed; a negative one is refused."""
+    from rlkit.analysis.runner import Signals, start
+    from rlkit.analysis.verdict import seed_words
+
+    spec = write_spec(tmp_path, seeds={"pilot": 2, "cap": 3, "first": 7})
+    run_dir = tmp_path / "runs" / "t" / "seed_1"
+    proc = start(spec, "t", 1, run_dir, Signals())
+    proc.kill()
+    proc.wait()
+    command = Path(f"{run_dir}.log").read_text().splitlines()[0]
+    assert " seed=8 " in command and "algo=dr_grpo" in command
+    assert seed_words(spec, None).startswith("run seeds from 7; pilot 2, cap 3")
+    assert not seed_words(write_spec(tmp_path, seeds={"pilot": 2, "cap": 3}), None).startswith("run seeds")
+    with pytest.raises(StudyError, match="seeds.first must be >= 0"):
+        write_spec(tmp_path, seeds={"pilot": 2, "cap": 3, "first": -1})

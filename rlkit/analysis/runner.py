@@ -55,7 +55,7 @@ def start(spec: StudySpec, arm: str, seed: int, run_dir: Path, signals: Signals)
         "-m",
         "rlkit.train",
         *overrides(spec, arm),
-        f"seed={seed}",
+        f"seed={spec.seeds.first + seed}",  # the study's seed index, offset to the declared first run seed
         "threads=1",
         f"hydra.run.dir={run_dir}",
     ]

@@ -85,6 +85,8 @@ class Seeds:
     pilot: int = 3  # paired seeds per arm run first; their spread plans the rest
     cap: int = 20  # most seeds per arm the study may spend
     pilot_confidence: float = 0.8  # the pilot's sd is raised to this upper confidence limit before planning
+    first: int = 0  # the run seed of the study's seed 0 (seed i runs with seed=first+i): fresh seeds for a new
+    # declaration of a claim whose earlier runs already used 0, 1, ...
 
 
 @dataclass
@@ -214,6 +216,8 @@ def gate_problems(spec: StudySpec) -> list[str]:
 def seed_problems(spec: StudySpec) -> list[str]:
     """The pilot within the cap (a sequential design's first look needs 3 pairs), a positive prior."""
     problems, first = [], 3 if spec.sequential else 2
+    if spec.seeds.first < 0:
+        problems.append(f"seeds.first must be >= 0, got {spec.seeds.first}")
     if not first <= spec.seeds.pilot <= spec.seeds.cap:
         problems.append(f"seeds need {first} <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
     if spec.sequential and not spec.sequential.prior > 0:

@@ -28,6 +28,11 @@ def engagement_words(e) -> str:
 
 
 def seed_words(spec, plan: Plan | None) -> str:
+    first = f"run seeds from {spec.seeds.first}; " if spec.seeds.first else ""
+    return first + _seed_words(spec, plan)
+
+
+def _seed_words(spec, plan: Plan | None) -> str:
     if spec.sequential:
         return (
             f"sequential: a look after every completed seed, the first at {spec.seeds.pilot} seeds, the last at "
