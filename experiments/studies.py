@@ -39,6 +39,7 @@ STUDIES = [
     "length_bias_smollm2_grown",  # third declaration: 96 tokens, 30 steps, the baseline's growth a premise
     "pass_at_k32_smollm2",  # second declaration of pass_at_k_smollm2 (its positive control failed), linked from it
     "calculator_smollm2",
+    "calculator_smollm2_no_tool",  # its "without the tool it does not" half as its own comparison
 ]
 
 # premises a study's claim needs that its declaration left out, checked on its records after the runs

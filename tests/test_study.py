@@ -737,3 +737,29 @@ def test_a_declared_first_seed_offsets_every_run_seed_and_the_protocol_says_so(t
     assert not seed_words(write_spec(tmp_path, seeds={"pilot": 2, "cap": 3}), None).startswith("run seeds")
     with pytest.raises(StudyError, match="seeds.first must be >= 0"):
         write_spec(tmp_path, seeds={"pilot": 2, "cap": 3, "first": -1})
+
+
+def test_a_learning_check_can_read_a_control_when_the_arm_under_test_is_claimed_not_to_learn(tmp_path):
+    """`learning.arm`: an arm claimed not to rise over its start (t, gains 0.01, 0.0, 0.02, 0.01 by
+    hand: equivalent within 0.05) is gated by a control that must learn (c, gains 0.3-0.4) instead of by
+    itself; the same records with the check on t give no verdict. An unknown arm is refused."""
+    spec = write_spec(
+        tmp_path,
+        arms={"t": ["algo=grpo"]},
+        baseline="start",
+        primary={"metric": "eval/accuracy", "aggregate": "final", "direction": "equal", "smallest_effect": 0.05},
+        controls={"c": ["algo=dr_grpo"]},
+        sensitivity={"arm": "c", "direction": "higher"},
+        learning={"aggregate": "gain:1", "margin": 0.1, "arm": "c"},
+    )
+    recs = [rec("t", s, v) for s, v in enumerate([0.31, 0.30, 0.32, 0.31])]
+    recs += [rec("c", s, v) for s, v in enumerate([0.6, 0.7, 0.65, 0.62])]
+    r = analyse(spec, recs, None)
+    assert r.learned and r.gates["learning"].lines[0].startswith("c (arm): final minus step 0 eval/accuracy = +0.343")
+    assert len(r.gates["learning"].lines) == 1  # the control is the check itself, not beside it
+    assert r.verdicts["t"].text.startswith("equivalent")
+    assert "- Learning check: c's final minus step 0 eval/accuracy" in report(spec, "s", tmp_path, recs, None)
+    on_itself = dataclasses.replace(spec, learning=dataclasses.replace(spec.learning, arm=None))
+    assert analyse(on_itself, recs, None).verdicts["t"].text == "not tested"
+    with pytest.raises(StudyError, match="learning.arm 'x' is not one of the arms or controls"):
+        write_spec(tmp_path, learning={"arm": "x"})

@@ -13,7 +13,7 @@ from rlkit.analysis.compare import fmt
 from rlkit.analysis.runs import WITHDRAWN, aggregate, aggregate_name
 from rlkit.analysis.sequential import Sequence, track
 from rlkit.analysis.stats import mean_ci
-from rlkit.analysis.study import SAMPLED, START, learner, learning_margin, treatments
+from rlkit.analysis.study import SAMPLED, START, learner, learning_arm, learning_margin, treatments
 from rlkit.analysis.values import Analysis, Bound, Gate, Plan, Reason, Verdict, gate
 
 MIN_PAIRS = 3  # fewer pairs give no verdict
@@ -82,7 +82,7 @@ def learning_gate(spec, arms: dict) -> Gate:
     if L is None:
         return gate(None, reason)
     values, name = per_run(arms, L, spec.unfinished), f"{aggregate_name(L.aggregate)} {L.metric}"
-    margin, base = learning_margin(spec), learner(spec)
+    margin, base = learning_margin(spec), learning_arm(spec)
     gains = list(values.get(base, {}).values())
     d = stats.paired([0.0] * len(gains), gains, spec.alpha)
     lo, said = d.interval[0], d.describe()
@@ -95,7 +95,7 @@ def learning_gate(spec, arms: dict) -> Gate:
         f"{base} ({role}): {name} = {said}, needs its interval above {margin:g}: "
         + ("passed" if learned else f"FAILED, {who} did not learn by the margin")
     ]
-    for control in spec.controls:
+    for control in (c for c in spec.controls if c != base):
         own = list(values.get(control, {}).values())
         lines.append(
             f"{control} (control): {name} = {fmt_ci(own)} over {len(own)} runs; {base} - {control}: "
@@ -315,7 +315,7 @@ def hopeless(spec, arms: dict, values: dict) -> list[str]:
     wholly at or under its margin, the positive control's wholly short of the smallest effect."""
     out = []
     if spec.learning is not None:
-        gains = list(per_run(arms, spec.learning, spec.unfinished).get(learner(spec), {}).values())
+        gains = list(per_run(arms, spec.learning, spec.unfinished).get(learning_arm(spec), {}).values())
         hi = sequence(spec, gains).interval[1]
         if hi <= learning_margin(spec):
             out.append(f"the learning check cannot pass (its confidence sequence ends at {hi:.3g})")

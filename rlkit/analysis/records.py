@@ -21,6 +21,7 @@ from rlkit.analysis.study import (
     every_arm,
     extensible,
     learner,
+    learning_arm,
     learning_margin,
     overrides,
     treatments,
@@ -209,7 +210,7 @@ def gate_plans(spec: StudySpec, arms: dict, values: dict) -> dict[str, Need]:
             need = max(stats.seeds_for_power(effect, sd, True, power, alpha) or 2, beyond(effect - delta, sd, power))
         out["positive control"] = Need(d.sd, sd, need, pilot_effect=effect)
     if spec.learning is not None:
-        gains = list(per_run(arms, spec.learning, spec.unfinished).get(learner(spec), {}).values())
+        gains = list(per_run(arms, spec.learning, spec.unfinished).get(learning_arm(spec), {}).values())
         d = stats.paired([0.0] * len(gains), gains)
         sd, excess = raised(d, conf), d.diff - learning_margin(spec)
         # the interval's lower end past the margin: a one-sided test of the excess at alpha / 2

@@ -48,6 +48,8 @@ class Learning(MetricSpec):
     aggregate: str = "gain:3"
     margin: float | None = None  # the gain the baseline must exceed; None = twice primary.smallest_effect when
     # `metric` is the primary metric (the same units), else 0
+    arm: str | None = None  # whose gain: None = the learner (`learner`); a control's where the arm under test is
+    # claimed not to learn (the check then shows the training acts where the claim says it should)
 
 
 def learning_margin(spec) -> float:
@@ -101,6 +103,11 @@ class Sequential:
 
 START = "start"  # the baseline that is each seed's starting policy: its step-0 evaluation, held (`learner`)
 SAMPLED = ("eval/mean@", "eval/pass@")  # the held-out metrics drawn from sampled completions (rlkit.evaluate)
+
+
+def learning_arm(spec) -> str:
+    """The arm whose gain the learning check tests: `learning.arm`, else the learner."""
+    return spec.learning.arm or learner(spec)
 
 
 def learner(spec) -> str:
@@ -169,6 +176,8 @@ def load_spec(path: Path) -> StudySpec:
         problems.append(f"a control may not share an arm's name: {', '.join(set(spec.controls) & set(spec.arms))}")
     if spec.controls and spec.learning is None:
         problems.append("controls are compared with the baseline on the learning metric: declare `learning` too")
+    if spec.learning is not None and spec.learning.arm not in (None, *every_arm(spec)):
+        problems.append(f"learning.arm {spec.learning.arm!r} is not one of the arms or controls")
     if spec.engagement is not None and (spec.engagement.at_least is None) == (spec.engagement.at_most is None):
         problems.append("engagement needs exactly one of at_least and at_most")
     if spec.engagement is not None and spec.engagement.arm not in (None, *spec.arms):

@@ -12,7 +12,7 @@ from rlkit.analysis.arms import missing_runs
 from rlkit.analysis.compare import plot
 from rlkit.analysis.decision import analyse, fmt_ci, settled
 from rlkit.analysis.runs import aggregate_name
-from rlkit.analysis.study import START, learner, learning_margin, treatments
+from rlkit.analysis.study import START, learner, learning_arm, learning_margin, treatments
 from rlkit.analysis.values import Analysis, Bound, Plan
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
@@ -94,7 +94,7 @@ def protocol(spec, plan: Plan | None, treatments: int) -> list[str]:
     if spec.learning is not None:
         L = spec.learning
         lines.append(
-            f"- Learning check: {'the baseline' if spec.baseline != START else learner(spec)}'s "
+            f"- Learning check: {'the baseline' if learning_arm(spec) == spec.baseline else learning_arm(spec)}'s "
             f"{aggregate_name(L.aggregate)} {L.metric} per run exceeds "
             f"{learning_margin(spec):g} "
             f"with its whole {1 - spec.alpha:.0%} interval; failing it, no verdict"
