@@ -1,12 +1,15 @@
 """Policy losses beyond PPO's clipped surrogate (config group `loss`): GPG's plain policy gradient,
 DPPO's divergence mask, TOPR's tapered importance weights, Kimi k1.5's squared log-ratio,
-CE-GPPO's gradient-preserving clip and ASPO's flipped weight for positive tokens."""
+CE-GPPO's gradient-preserving clip, ASPO's flipped weight for positive tokens and BAPO's clip bounds
+searched per micro-batch."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from rlkit.losses import Regularised
+from rlkit.losses import Regularised, clipped_surrogate
 from rlkit.refusals import require
 
 
@@ -170,3 +173,53 @@ def forking_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -
     masked = torch.where(mask.bool(), entropy.float(), torch.nan)  # [n, Tc]
     threshold = torch.nanquantile(masked, quantile, dim=-1, keepdim=True)  # [n, 1]
     return (masked > threshold) & mask.bool()
+
+
+class BAPO(Regularised):
+    """BAPO (Xi et al. 2025, arXiv 2510.18927, as the authors' verl recipe has it): PPO's clipped
+    surrogate (dual clip 3) with its ratio bounds searched for each micro-batch, so that the positive-
+    advantage tokens' clipped contribution sum(min(r, high) A) reaches `target` times the negative
+    ones' sum(-max(r, low) A): `low` rises from 0.6 by `low_step` up to `low_max`, then `high` from
+    1.2 by `high_step` up to `high_max`, each stopping as soon as the balance is met. Bounds are ratios,
+    not epsilons; target 0.5 and the ranges [0.6, 0.9], [1.2, 3.0] are the paper's, the steps 0.05 the
+    recipe's. With several processes each searches on its own micro-batch (the authors sum the two
+    contributions over ranks; rlkit's processes may hold different numbers of micro-batches)."""
+
+    def __init__(
+        self,
+        target: float = 0.5,
+        low: float = 0.6,
+        low_max: float = 0.9,
+        low_step: float = 0.05,
+        high: float = 1.2,
+        high_max: float = 3.0,
+        high_step: float = 0.05,
+        dual_clip: float = 3.0,
+        **regularise,
+    ):
+        super().__init__(**regularise)
+        require(0 < low <= low_max <= 1 <= high <= high_max, "loss: need 0 < low <= low_max <= 1 <= high <= high_max")
+        require(target >= 0 and low_step >= 0 and high_step >= 0, "loss.target, low_step, high_step must be >= 0")
+        require(dual_clip > 1, f"loss.dual_clip must be > 1, got {dual_clip}")
+        self.target, self.dual_clip = target, dual_clip
+        self.low, self.high = (low, low_max, low_step), (high, high_max, high_step)
+
+    def surrogate(self, logp, old_logp, adv, mask):
+        ratio = torch.exp((logp - old_logp).detach().clamp(-20.0, 20.0))  # [n, Tc]
+        low, high = self.bounds(ratio, adv, mask)
+        loss, stats = clipped_surrogate(logp, old_logp, adv, 1 - low, high - 1, self.dual_clip)  # [n, Tc]
+        return loss, {**stats, "clip_low": torch.full_like(ratio, low), "clip_high": torch.full_like(ratio, high)}
+
+    def balance(self, ratio, adv, mask, low: float, high: float) -> float:
+        """The positive tokens' clipped contribution over the negative ones' (inf without negative ones)."""
+        effective = torch.where(adv >= 0, ratio.clamp(max=high), ratio.clamp(min=low)) * adv * mask  # [n, Tc]
+        pos, neg = float(effective.clamp(min=0).sum()), float(-effective.clamp(max=0).sum())
+        return math.inf if neg <= 0 else pos / (neg + 1e-8)
+
+    def bounds(self, ratio, adv, mask) -> tuple[float, float]:
+        (low, low_max, low_step), (high, high_max, high_step) = self.low, self.high
+        while self.balance(ratio, adv, mask, low, high) < self.target and low < low_max and low_step > 0:
+            low = min(low + low_step, low_max)
+        while self.balance(ratio, adv, mask, low, high) < self.target and high < high_max and high_step > 0:
+            high = min(high + high_step, high_max)
+        return low, high

@@ -14,7 +14,7 @@ from rlkit.advantages import GRPO, DrGRPO
 from rlkit.corrections import SecondMomentMask
 from rlkit.group_advantages import GPG, KRPO, OPO, OTB, MaxRL, PassK, ReinforcePP, ReinforcePPBaseline
 from rlkit.losses import PPOClip
-from rlkit.masked_losses import ASPO, CEGPPO, DPPO, TOPR, Kimi, PolicyGradient
+from rlkit.masked_losses import ASPO, BAPO, CEGPPO, DPPO, TOPR, Kimi, PolicyGradient
 from rlkit.types import LossInput, Rollout
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "peer_reference.json").read_text())
@@ -226,3 +226,22 @@ def test_aspo_gives_the_authors_per_token_loss_and_gradient(case, which):
     torch.testing.assert_close(logp.grad[m], torch.tensor(case["outputs"][f"{which}_grad"])[m], rtol=1e-6, atol=1e-6)
     if which == "aspo_wide":
         assert stats["dual_clip_frac"][m].sum() > 0 and stats["clip_frac_high"][m].sum() > 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c['seed']}" for c in CASES])
+@pytest.mark.parametrize("shift", ["0", "0.2", "0.8"])
+def test_bapo_searches_the_authors_bounds_and_gives_their_loss_and_gradient(case, shift):
+    """Against the BAPO authors' recipe function at the paper's target and ranges, on the fixture's
+    advantages minus 0, 0.2 and 0.8 (more and more negative: no search, a search that stops part of the
+    way (seed 1: high 1.45), one that runs to both limits): the bounds chosen, the per-token loss and its
+    gradient with respect to the log-probs, on the completion tokens."""
+    x = {k: torch.tensor(case["inputs"][k]) for k in ("logp", "old_logp", "adv", "mask")}
+    adv = x["adv"] - float(shift) * x["mask"]
+    logp = x["logp"].clone().requires_grad_()
+    loss, stats = BAPO().surrogate(logp, x["old_logp"], adv, x["mask"])
+    (loss * x["mask"]).sum().backward()
+    out, m = case["outputs"], x["mask"].bool()
+    bounds = torch.tensor([stats["clip_low"][0, 0], stats["clip_high"][0, 0]])
+    torch.testing.assert_close(bounds, torch.tensor(out[f"bapo_shift{shift}_bounds"]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss[m], torch.tensor(out[f"bapo_shift{shift}_loss"])[m], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logp.grad[m], torch.tensor(out[f"bapo_shift{shift}_grad"])[m], rtol=1e-6, atol=1e-6)

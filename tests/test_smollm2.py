@@ -369,6 +369,7 @@ NEW_VARIANTS = [
     "loss=kimi",
     "loss=ce_gppo",
     "loss=aspo",
+    "loss=bapo",
     "loss=dro",
     "loss.positive_nll=0.1",
 ]

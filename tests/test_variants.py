@@ -55,6 +55,7 @@ def test_every_group_has_the_documented_options():
     ]
     assert options("loss") == [
         "aspo",
+        "bapo",
         "ce_gppo",
         "cispo",
         "clip_cov",
@@ -121,6 +122,7 @@ ENGAGE = {
     "loss=dppo": "optim.mini_batches=2",
     "loss=ce_gppo": "optim.mini_batches=2",
     "loss=aspo": "optim.mini_batches=2",  # at ratio 1 the flipped weight 1/r is PPO's r
+    "loss=bapo": "optim.mini_batches=2",  # at ratio 1 any bounds give PPO's gradient
 }
 OWN_OPTION = {
     f"correction=opsm {OFF_POLICY}": "correction.delta=0",
@@ -128,6 +130,7 @@ OWN_OPTION = {
     "loss=dppo": "loss.delta_low=1e-3 loss.delta_high=1e-3",
     "loss=ce_gppo": "loss.eps_low=1e-4 loss.eps_high=1e-4",
     "loss=aspo": "loss.eps_low=1e-4 loss.eps_high=1e-4 loss.eps_low_forking=1e-4 loss.eps_high_forking=1e-4",
+    "loss=bapo": "loss.low=1.0 loss.low_max=1.0 loss.high=1.0 loss.high_max=1.0",
 }
 
 
