@@ -1,8 +1,9 @@
 """The matrix products a CPU decode step runs, with their weights laid out for few rows: each
-layer's projections side by side in one copy reordered for oneDNN (`fused`), a LoRA layer's
-adapters as a low-rank product beside it, and the LM head reordered the same way (`head`). Copies of
-frozen weights (a LoRA policy's base model, its tied head) are kept across calls while their
-tensors are unchanged (`kept`); trained ones are copied per call. On a GPU each module runs itself."""
+layer's projections side by side in one copy reordered for oneDNN (input-major where oneDNN does not
+run the dtype; `fused`), a LoRA layer's adapters as a low-rank product beside it, and the LM head
+reordered the same way (`head`). Copies of frozen weights (a LoRA policy's base model, its tied head)
+are kept across calls while their tensors are unchanged (`kept`); trained ones are copied per call.
+On a GPU each module runs itself."""
 
 from __future__ import annotations
 
@@ -81,17 +82,20 @@ FEW_ROWS = 128  # below: the reordered weight; from here on (a prefill) the weig
 @torch.no_grad()
 def fused(*linears):
     """One projection computing several linear layers side by side (outputs concatenated), plus
-    their LoRA adapters as one low-rank product. On a CPU with oneDNN a decode step's few rows run
-    on the weights concatenated and reordered for oneDNN's matmul (kept across calls while frozen),
-    which streams them from memory faster than a GEMM that packs them on every call; a prefill's
-    many rows run on the weights themselves. On a GPU, without oneDNN or for anything else each
+    their LoRA adapters as one low-rank product. On a CPU a decode step's few rows run on the weights
+    concatenated into one copy (kept across calls while frozen): reordered for oneDNN's matmul where
+    oneDNN runs the dtype (fp32), which streams them from memory faster than a GEMM that packs them on
+    every call, else input-major. A prefill's many rows run on the weights themselves. On a GPU (where
+    a copy of a large model's weights would not fit and cuBLAS needs none) and for anything else each
     module runs itself."""
     found = [parts(m) for m in linears]
     plain = all(p is not None for p in found) and len({p[1] is None for p in found}) == 1
-    if not (plain and ONEDNN and found[0][0].device.type == "cpu" and found[0][0].dtype == torch.float32):
+    if not (plain and found[0][0].device.type == "cpu"):
         return lambda x: torch.cat([m(x) for m in linears], -1)
+    onednn = ONEDNN and found[0][0].dtype == torch.float32
     tensors = [t for w, b, _ in found for t in (w, b) if t is not None]
-    reordered = kept(linears[0], "fused", tensors, lambda: reorder(torch.cat([w for w, _, _ in found])))
+    copy = reorder if onednn else (lambda w: w.detach().t().contiguous())  # [out, in] -> oneDNN's, or [in, out]
+    weight = kept(linears[0], f"fused {onednn}", tensors, lambda: copy(torch.cat([w for w, _, _ in found])))
     bias = None if found[0][1] is None else torch.cat([b for _, b, _ in found])  # [sum out]
     adapters = low_rank(found)
 
@@ -99,7 +103,10 @@ def fused(*linears):
         flat = x.flatten(0, -2).contiguous()  # [n, in]
         if flat.shape[0] >= FEW_ROWS:
             return many_rows(flat, [w for w, _, _ in found], bias, adapters).view(*x.shape[:-1], -1)
-        y = torch.ops.mkldnn._linear_pointwise(flat, reordered, bias, "none", [], "")  # [n, sum out]
+        if onednn:
+            y = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")  # [n, sum out]
+        else:
+            y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)  # [n, sum out]
         if adapters is not None:
             y = y.addmm_(flat @ adapters[0], adapters[1])
         return y.view(*x.shape[:-1], -1)

@@ -2,12 +2,14 @@
 `model.generate`'s, sampling draws from the softmax, packed and trimmed log-probs and their
 gradients equal the padded ones, length-sorted micro-batches cover every row once."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from rlkit import projections
 from rlkit.engines.decoders import decoder
 from rlkit.engines.kv_cache import encode_prompts, generate
 from rlkit.engines.sampling import sample as _sample
@@ -279,12 +281,16 @@ def test_packed_log_probs_under_lora_and_for_the_adapters_off_reference():
     assert torch.allclose(off[m], base[m], atol=1e-5) and not torch.allclose(on[m], base[m], atol=1e-3)
 
 
-def test_the_decoder_runs_lora_adapters_beside_its_kept_weights_and_decodes_what_the_peft_model_does():
+@pytest.mark.parametrize("onednn", [True, False])
+def test_the_decoder_runs_lora_adapters_beside_its_kept_weights_and_decodes_what_the_peft_model_does(
+    onednn, monkeypatch
+):
     """Decoding a LoRA policy runs each fused projection on the base weights (reordered once and
     kept while frozen) plus the adapters' low-rank product: the same outputs as peft's layers for a
     decode step's few rows and a prefill's many, the same greedy tokens as `model.generate`, the
     same logits to float rounding; adapters trained in between, or turned off, are decoded as they
-    are now."""
+    are now. Both copies of the weights: reordered for oneDNN, and input-major (a CPU without oneDNN)."""
+    monkeypatch.setattr(projections, "ONEDNN", projections.ONEDNN and onednn)
     model, tok = tiny_qwen2()
     base_logits = decoder(model, *encode_prompts(tok, PROMPTS), 4).prefill()  # [N, V] before the adapters go in
     lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0))
