@@ -180,3 +180,26 @@ def test_a_sequential_study_stops_at_the_first_settled_look_and_an_extension_con
     sequential_study(noisy, cap=7, alpha=0.1)
     assert study_main(["noisy"]) == 2
     assert "alpha: 0.05 -> 0.1" in capsys.readouterr().err
+
+
+def test_a_premise_whose_sequence_misses_its_bound_stops_a_sequential_study(tmp_path):
+    """The baseline's mean of its last 2 train/len per run, declared >= 20, is 10 +- 1 at every seed:
+    at 3 seeds the sequence is unbounded, so the study looks again; at 8 it lies wholly under 20, so
+    the study stops there, naming the premise. At 20 +- 1 it never stops on the premise. A premise on
+    values without spread (a start value) is decided at once."""
+    premise = {"metric": "train/len", "aggregate": "last:2", "at_least": 20, "why": "answers grow"}
+    spec = sequential_study(tmp_path, premises=[premise])
+    short = records([0.5] * 8, [0.5, 0.55, 0.47, 0.52, 0.46, 0.53, 0.5, 0.54])  # undecided at 3 seeds
+    for head, rows in short:
+        for row in rows[1:]:
+            row["train/len"] = 10.0 + (-1) ** head["seed"]
+    assert settled(spec, analyse(spec, [(h, r) for h, r in short if h["seed"] < 3], None)) is None
+    why = settled(spec, analyse(spec, short, None))
+    assert why.startswith("a premise cannot hold: answers grow (its sequence [") and why.endswith("needs >= 20)")
+    for head, rows in short:
+        for row in rows[1:]:
+            row["train/len"] += 10.0
+    assert "premise" not in (settled(spec, analyse(spec, short, None)) or "")
+    start = sequential_study(tmp_path, premises=[{"metric": "eval/accuracy", "aggregate": "start", "at_most": 0.2}])
+    first3 = [(h, r) for h, r in short if h["seed"] < 3]
+    assert settled(start, analyse(start, first3, None)).startswith("a premise cannot hold: eval/accuracy")

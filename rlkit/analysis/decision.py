@@ -6,6 +6,7 @@ them) and each treatment's `Verdict`, gathered in an `Analysis`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from rlkit.analysis import stats
 from rlkit.analysis.arms import pair, per_run, runs_by_arm, unpaired
@@ -312,8 +313,15 @@ def secondary_differences(spec, arms: dict, tested: list[str], robust: bool) -> 
 
 def hopeless(spec, arms: dict, values: dict) -> list[str]:
     """The gates that can no longer pass at any later look: the learning check's confidence sequence
-    wholly at or under its margin, the positive control's wholly short of the smallest effect."""
+    wholly at or under its margin, the positive control's wholly short of the smallest effect, a
+    premise's (of its arm's per-run values) wholly on the wrong side of its bound."""
     out = []
+    for p in spec.premises:
+        v = list(per_run(arms, p, spec.unfinished).get(p.arm or learner(spec), {}).values())
+        lo, hi = sequence(spec, v).interval if v else (math.nan, math.nan)
+        if v and not (Bound.of(p).holds(lo) or Bound.of(p).holds(hi)):
+            bound = Bound.of(p)
+            out.append(f"a premise cannot hold: {p.why or p.metric} (its sequence [{lo:.3g}, {hi:.3g}], needs {bound})")
     if spec.learning is not None:
         gains = list(per_run(arms, spec.learning, spec.unfinished).get(learning_arm(spec), {}).values())
         hi = sequence(spec, gains).interval[1]
