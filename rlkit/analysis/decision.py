@@ -317,10 +317,9 @@ def hopeless(spec, arms: dict, values: dict) -> list[str]:
     premise's (of its arm's per-run values) wholly on the wrong side of its bound."""
     out = []
     for p in spec.premises:
-        v = list(per_run(arms, p, spec.unfinished).get(p.arm or learner(spec), {}).values())
+        v, bound = list(per_run(arms, p, spec.unfinished).get(p.arm or learner(spec), {}).values()), Bound.of(p)
         lo, hi = sequence(spec, v).interval if v else (math.nan, math.nan)
-        if v and not (Bound.of(p).holds(lo) or Bound.of(p).holds(hi)):
-            bound = Bound.of(p)
+        if v and not (bound.holds(lo) or bound.holds(hi)):
             out.append(f"a premise cannot hold: {p.why or p.metric} (its sequence [{lo:.3g}, {hi:.3g}], needs {bound})")
     if spec.learning is not None:
         gains = list(per_run(arms, spec.learning, spec.unfinished).get(learning_arm(spec), {}).values())
