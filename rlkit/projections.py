@@ -77,6 +77,7 @@ def low_rank(found: list) -> tuple | None:
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 FEW_ROWS = 128  # below: the reordered weight; from here on (a prefill) the weights as they are
+HEAD_ROWS = (2, 192)  # the rows at which the reordered head was measured faster (SmolLM2's, one thread; 1 row: slower)
 
 
 @torch.no_grad()
@@ -139,16 +140,16 @@ def head(lm_head):
     """The LM head of a decode step. On a CPU with oneDNN, an fp32 head without bias runs on its
     weight reordered for oneDNN (kept across calls while frozen): a 49k-vocabulary head over 32 rows
     in about two thirds of the time of a GEMM that packs it on every call, the same logits to float
-    rounding. One row, anything else: the module itself."""
+    rounding. Outside `HEAD_ROWS`, or anything else: the module itself."""
     w = getattr(lm_head, "weight", None)
     lean = type(lm_head) is torch.nn.Linear and lm_head.bias is None and w.dtype == torch.float32
     if not (lean and ONEDNN and w.device.type == "cpu"):
         return lm_head
     reordered = kept(lm_head, "head", [w], lambda: reorder(w))
 
-    def logits(h: torch.Tensor) -> torch.Tensor:
-        if not 2 <= h.shape[0] < FEW_ROWS * 8 or h.dim() != 2:
+    def logits(h: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
+        if not HEAD_ROWS[0] <= h.shape[0] <= HEAD_ROWS[1]:
             return F.linear(h, w)
-        return torch.ops.mkldnn._linear_pointwise(h.contiguous(), reordered, None, "none", [], "")  # [n, V]
+        return torch.ops.mkldnn._linear_pointwise(h.contiguous(), reordered, None, "none", [], "")
 
     return logits
