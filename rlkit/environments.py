@@ -58,6 +58,14 @@ def generate(
     return engine.generate(prompts, max_new_tokens, temperature, top_p, **extra)
 
 
+def verdicts(ep: Episodes | None) -> torch.Tensor | None:
+    """Each episode's own verdict on its answer (`correct`, where every episode gives one, e.g. a
+    verifiers rubric's), which takes the place of the task's [N]; None where they give none."""
+    if ep is None or not all(hasattr(e, "correct") for e in ep.each):
+        return None
+    return torch.tensor([bool(e.correct) for e in ep.each])
+
+
 def turn_rewards(each: list) -> torch.Tensor | None:
     """The per-turn reward terms each episode summed (its `reward`, 0 without one) [N]; None when all are 0."""
     terms = torch.tensor([float(getattr(e, "reward", 0.0)) for e in each])  # [N]
@@ -119,17 +127,22 @@ class CheckedEpisode:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def reply(self, text: str) -> dict | None:
+    def reply(self, text: str) -> dict | list | None:
         message = self.env.call("reply", self.inner.reply, text)
-        ok = message is None or (
-            isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))
+        each = message if isinstance(message, list) else [message]
+        ok = message is None or all(
+            isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content")) for m in each
         )
         require(
             ok,
-            f"{self.env.name}: reply must return a chat message (a dict with a string role and content) or None "
-            f"to end the episode, got {message!r:.200}",
+            f"{self.env.name}: reply must return a chat message (a dict with a string role and content), a list "
+            f"of them, or None to end the episode, got {message!r:.200}",
         )
         return message
+
+    def cut(self, text: str) -> None:
+        if hasattr(self.inner, "cut"):
+            self.env.call("cut", self.inner.cut, text)
 
 
 class SingleTurn(Environment):

@@ -12,10 +12,11 @@ import torch
 
 from rlkit import progress
 from rlkit.draws import RowDraws
-from rlkit.environments import episodes, generate
+from rlkit.environments import episodes, generate, verdicts
 from rlkit.logprobs import demonstration_batch, demonstrations, token_logprobs
 from rlkit.metrics import by_difficulty, feature_metrics, hardest_third
 from rlkit.metrics import mean_or_none as mean
+from rlkit.rewards import correct as right
 
 
 class Answers(NamedTuple):
@@ -58,7 +59,7 @@ def answers(
         gen = generate(engine, prompts, max_new_tokens, temperature, top_p, ep, draws, f)
         entropies.append(gen.forced_entropy)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        correct.append(task.score(rows, texts) > 0)  # [n]
+        correct.append(right({}, task.score(rows, texts), None, verdicts(ep)))  # [n]
         lengths.append(gen.completion_mask.sum(-1).float())  # [n]
         truncated.append(gen.truncated)  # [n]
         every += texts

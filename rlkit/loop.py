@@ -15,7 +15,7 @@ import torch
 from rlkit import parallel
 from rlkit.critic import explained_variance
 from rlkit.draws import RowDraws
-from rlkit.environments import episodes, generate, turn_rewards
+from rlkit.environments import episodes, generate, turn_rewards, verdicts
 from rlkit.evaluate import timed_eval
 from rlkit.guards import checked_advantages
 from rlkit.logprobs import rollout_logprobs
@@ -58,7 +58,7 @@ def make_rollout(run: Run, rows: list[dict]) -> Rollout:
     with rt.timer("score"):
         texts = parts.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         rewards, by_fn = score(parts.task, parts.reward_fns, s.combine, rows, texts, G, timeout, rt.timer)  # [N], [N,K]
-        right = correct(parts.reward_fns, rewards, by_fn).to(rt.device)  # [N] before any shuffling
+        right = correct(parts.reward_fns, rewards, by_fn, verdicts(ep)).to(rt.device)  # [N] before any shuffling
         rewards = rewards if extra is None else rewards + extra  # [N]
         rewards = shuffled(rewards, G, s.shuffle).to(rt.device)  # [N] the control: unrelated rewards
         kept = dict(rows=rows, texts=texts, episodes=[] if ep is None else ep.each, reward_parts=by_fn, correct=right)

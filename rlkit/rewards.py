@@ -111,10 +111,13 @@ def term(task, fn, name: str, rows: list[dict], texts: list[str], timeout_s: flo
     return values
 
 
-def correct(functions: dict, rewards: torch.Tensor, parts: torch.Tensor | None) -> torch.Tensor:
-    """Which answers are right, whatever else the reward pays for: the first `Accuracy` term > 0
-    when the reward functions have one, else the reward > 0 (the task's own, or the combined terms
-    where none is the task's).  [N], [N, K] -> [N] bool"""
+def correct(functions: dict, rewards: torch.Tensor, parts: torch.Tensor | None, verdicts=None) -> torch.Tensor:
+    """Which answers are right, whatever else the reward pays for: the episodes' own `verdicts` [N]
+    where they give them (`rlkit.environments.verdicts`), else the first `Accuracy` term > 0 when the
+    reward functions have one, else the reward > 0 (the task's own, or the combined terms where none
+    is the task's).  [N], [N, K] -> [N] bool"""
+    if verdicts is not None:
+        return verdicts
     terms = [k for k, fn in enumerate(functions.values()) if isinstance(fn, Accuracy)]
     return parts[:, terms[0]] > 0 if terms and parts is not None else rewards > 0
 

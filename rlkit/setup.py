@@ -145,6 +145,12 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, environmen
     `preamble` messages. Returns (task, model, policy, tokenizer, warm-start info)."""
     task = build(cfg, "task", Task)
     task.check_splits()
+    need = getattr(task, "requires_environment", None)  # a task scored by its episodes (task=verifiers)
+    require(
+        need is None or isinstance(getattr(environment, "inner", environment), need),
+        f"task={cfg.task._target_} is scored by its episodes, which only "
+        f"environment={getattr(need, '__name__', '')} runs",
+    )
     # a warm-started policy starts from warm_start.seed, so every RL seed shares it
     init_seed = cfg.warm_start.seed if warm_start_applies(cfg.warm_start, task) else cfg.seed
     model = build(cfg, "model", Model)

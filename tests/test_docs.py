@@ -148,7 +148,7 @@ def test_every_shown_command_composes(page, cmd, tmp_path, monkeypatch):
     for name, content in shown_files(text).items():  # the page's plugin files, as a reader would save them
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(content)
-    monkeypatch.chdir(ROOT if "rlkit-study" in cmd or "pip install" in cmd else tmp_path)
+    monkeypatch.chdir(ROOT if any(x in cmd for x in ("rlkit-study", "pip install", "experiments/")) else tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     if "advantage=batch_std_baseline" in cmd:  # what the installed example plugin's search-path plugin adds
         monkeypatch.syspath_prepend(str(EXAMPLE_PLUGIN))

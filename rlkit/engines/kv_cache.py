@@ -186,8 +186,10 @@ class Sampled:
 
     def generation(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, turns: Turns | None) -> Generation:
         """What was sampled, cut to the steps taken; with `turns`, the model's tokens marked and the
-        episodes that the turn or token budget cut reported as truncated."""
+        episodes that the turn or token budget cut told so (`Turns.close`) and reported as truncated."""
         T, lp = self.T, self.lp
+        if turns is not None:
+            turns.close(T)
         model = None if turns is None else turns.model[:, :T]  # [N, T]
         if lp is not None:
             lp = lp[:, :T] if model is None else lp[:, :T] * model  # [N, T] 0 on the environment's tokens

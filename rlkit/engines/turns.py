@@ -10,17 +10,19 @@ import torch
 from rlkit.types import Episodes
 
 
-def reply_ids(tokenizer, message: dict, after_eos: bool) -> list[int]:
-    """The tokens that follow a model turn when `message` is appended: the turn's end, the message
-    and the next assistant turn's start, as the chat template writes them (a tokenizer without one:
-    the content alone). A turn that ended with EOS already holds its end-of-turn token."""
+def reply_ids(tokenizer, message: dict | list, after_eos: bool) -> list[int]:
+    """The tokens that follow a model turn when `message` (or a list of messages) is appended: the
+    turn's end, the messages and the next assistant turn's start, as the chat template writes them (a
+    tokenizer without one: the contents alone). A turn that ended with EOS already holds its
+    end-of-turn token."""
+    messages = message if isinstance(message, list) else [message]
     if getattr(tokenizer, "chat_template", None):
         mark = "\x1f\x1e"  # a stand-in for the model's turn, which the text after it follows
-        chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}, message]
+        chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}, *messages]
         full = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         text = full[full.index(mark) + len(mark) :]
     else:
-        text = message["content"]
+        text = "".join(m["content"] for m in messages)
     eos = tokenizer.eos_token or ""
     if after_eos and eos and text.startswith(eos):
         text = text[len(eos) :]
@@ -37,6 +39,7 @@ class Turns:
         self.model = torch.zeros_like(tokens)  # [N, Tmax] 1 on the model's tokens
         self.pending = [[] for _ in range(N)]  # environment tokens still to feed, per row
         self.start, self.turns = [0] * N, [0] * N  # where each row's model turn began; its finished turns
+        self.ended = [False] * N  # episodes that ended themselves (their reply None)
         self.cut = torch.zeros(N, dtype=torch.bool, device=tokens.device)  # [N] ended by the turn or token budget
         stops = [len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in episodes.stop_strings]
         self.tail = max(stops) + 2 if stops else 0  # tokens decoded to find a stop string (it may split differently)
@@ -74,10 +77,20 @@ class Turns:
         turn = self.tokenizer.decode(self.tokens[r, self.start[r] : t + 1], skip_special_tokens=True)
         message = self.episodes.each[r].reply(turn)
         if message is None:
+            self.ended[r] = True
             return True
         ids = reply_ids(self.tokenizer, message, at_eos)
         if self.turns[r] >= self.episodes.max_turns or t + 1 + len(ids) >= self.budget:
-            self.cut[r] = True  # the reply and a turn after it no longer fit
+            self.cut[r], self.start[r] = True, t + 1  # the reply and a turn after it no longer fit
             return True
         self.pending[r], self.start[r] = ids, t + 1 + len(ids)
         return False
+
+    def close(self, T: int) -> None:
+        """After the last of T steps: each episode that did not end itself (the turn or token budget
+        cut it) told so where it listens (`cut(text)`, optional), with the model's unfinished turn
+        (decoded; "" when its last turn had ended)."""
+        for r, episode in enumerate(self.episodes.each):
+            if not self.ended[r] and hasattr(episode, "cut"):
+                own = self.model[r, self.start[r] : T].bool()  # [t] the model's tokens of its unfinished turn
+                episode.cut(self.tokenizer.decode(self.tokens[r, self.start[r] : T][own], skip_special_tokens=True))
