@@ -161,9 +161,12 @@ class Environment(Protocol):
     """Group `environment`: what answers the model between its turns. `start(row)` begins one
     episode for a task row: an object whose `reply(text)` takes the model's turn (decoded) and
     returns the chat message to append (`{"role": ..., "content": ...}`, rendered through the
-    model's chat template) or None to end the episode. The reward is the task's, over the whole
-    trajectory, plus the episode's `reward` attribute where it has one (the sum of the per-turn terms
-    the environment gave, e.g. a penalty for a malformed call). `max_turns` 1 is a single-turn task:
+    model's chat template), a list of them, or None to end the episode; its optional `cut(text)`
+    hears that a budget ended the episode (`text`: the unfinished turn, "" if none). The reward is
+    the task's, over the whole trajectory, plus the episode's `reward` attribute where it has one
+    (the sum of the per-turn terms the environment gave, e.g. a penalty for a malformed call); an
+    episode's `correct` attribute, where every one has it, is its verdict in place of the task's
+    (the accuracy metrics). `max_turns` 1 is a single-turn task:
     the engine never asks. `metrics(episodes, correct)`: the environment's metrics of the episodes of
     one step or evaluation (`correct` [N])."""
 
