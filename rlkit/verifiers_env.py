@@ -68,6 +68,11 @@ def _load(env: str, args: str):
     except Exception as e:
         raise ConfigError(f"task.env={env!r}: verifiers could not load it: {type(e).__name__}: {e}") from e
     require(
+        isinstance(loaded, vf.Environment),
+        f"task.env={env!r}: load_environment returned a {type(loaded).__name__}, not an environment of verifiers' "
+        "classic API (verifiers.Environment: SingleTurnEnv, MultiTurnEnv, ToolEnv, ...), which rlkit runs",
+    )
+    require(
         not loaded.requires_group_rollouts,
         f"task.env={env!r}: its rubric scores whole groups together, which rlkit's episodes (one at a time) cannot",
     )

@@ -269,6 +269,9 @@ def test_the_task_and_the_environment_refuse_to_run_apart(chat_model, tmp_path):
         run(make_cfg([*base, "environment=verifiers"]), str(tmp_path / "b"))
     with pytest.raises(ConfigError, match="could not load"):
         VerifiersTask("no_such_environment_module")
+    (tmp_path / "not_an_env.py").write_text("def load_environment():\n    return {'prompt': 'hi'}\n")
+    with pytest.raises(ConfigError, match="returned a dict, not an environment of verifiers' classic API"):
+        VerifiersTask(str(tmp_path / "not_an_env.py"))
 
 
 FORGETFUL = """
