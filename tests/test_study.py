@@ -23,6 +23,7 @@ from conftest import FAST, make_cfg
 from rlkit.analysis import stats
 from rlkit.analysis.decision import analyse
 from rlkit.analysis.records import check_logged, plan, read_plan, read_records
+from rlkit.analysis.runner import longest_first
 from rlkit.analysis.runs import aggregate_name, reached
 from rlkit.analysis.study import Stopped, StudyError, every_arm, load_spec, overrides
 from rlkit.analysis.study_cli import main as study_main
@@ -763,3 +764,26 @@ def test_a_learning_check_can_read_a_control_when_the_arm_under_test_is_claimed_
     assert analyse(on_itself, recs, None).verdicts["t"].text == "not tested"
     with pytest.raises(StudyError, match="learning.arm 'x' is not one of the arms or controls"):
         write_spec(tmp_path, learning={"arm": "x"})
+
+
+def test_a_seeds_runs_start_longest_first_by_their_arms_recorded_times():
+    """Three arms on two jobs: the arm whose recorded runs took longest starts first at each seed, so
+    the two short ones share the other slot; seeds stay in order, and arms never run keep their place."""
+    records = [
+        ({"arm": "a", "seed": 0}, [{"time/step": 10.0}, {"time/step": 10.0, "time/eval": 5.0}]),  # 25 s
+        ({"arm": "c", "seed": 0}, [{"time/step": 60.0}]),
+        ({"arm": "c", "seed": 1}, [{"time/step": 40.0}]),  # c: 50 s on average
+        ({"arm": "b", "seed": 0}, [{"time/step": 30.0}]),
+    ]
+    todo = [(arm, seed) for seed in (1, 2) for arm in ("a", "b", "c", "d")]
+    assert longest_first(todo, records) == [
+        ("c", 1),
+        ("b", 1),
+        ("a", 1),
+        ("d", 1),
+        ("c", 2),
+        ("b", 2),
+        ("a", 2),
+        ("d", 2),
+    ]
+    assert longest_first(todo, []) == todo

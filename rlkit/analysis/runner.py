@@ -95,6 +95,7 @@ def run_seeds(
     complete early), `jobs` runs at a time. A failed or stopped run lets the others finish (and be
     recorded) and starts no new one."""
     todo = [(arm, seed) for arm, seed in planned_runs(spec, seeds) if not record_path(results, arm, seed).exists()]
+    todo = longest_first(todo, read_records(results))
     running, stop = {}, None
     while todo or running:
         while todo and len(running) < jobs and stop is None and not signals.received:
@@ -119,6 +120,17 @@ def run_seeds(
             EXIT_PREEMPTED,
             f"{name}: stopped by {signals.received} before {arm} seed {seed}; rerun the same command to resume",
         )
+
+
+def longest_first(todo: list, records: list) -> list:
+    """The runs of each seed in the order of their arms' recorded run times, longest first (ties and
+    arms not yet run in the declared order): with fewer jobs than arms the long run starts at once and
+    the short ones share the other slots, so a seed ends when its longest run does."""
+    took = {}
+    for head, rows in records:
+        took.setdefault(head["arm"], []).append(sum(r.get("time/step", 0.0) + r.get("time/eval", 0.0) for r in rows))
+    mean = {arm: sum(t) / len(t) for arm, t in took.items()}
+    return sorted(todo, key=lambda run: (run[1], -mean.get(run[0], 0.0)))
 
 
 def outcome(
