@@ -1,5 +1,5 @@
 """Environments written with the `verifiers` package (`pip install "rlkit[verifiers]"`), run by
-rlkit's multi-turn engine: `task=verifiers environment=verifiers task.env=<module>`.
+rlkit's multi-turn engine: `task=verifiers environment=verifiers task.env=<module or .py file>`.
 
 The task's rows are the environment's dataset; each episode is the environment's own rollout (its
 `env_response`, stop conditions and tools), run on an event loop in a background thread, whose
