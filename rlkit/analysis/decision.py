@@ -223,11 +223,16 @@ def outcome(spec, d: stats.Difference, p_sig: float, p_eq: float, seq: Sequence 
 
 def need(spec, d: stats.Difference) -> str:
     """What more seeds would decide, at the observed spread."""
-    if spec.primary.direction == "equal":
-        n = stats.seeds_for_equivalence(spec.primary.smallest_effect, d.sd, spec.power, spec.alpha)
-    else:
-        n = stats.seeds_for_power(spec.primary.smallest_effect, d.sd, True, spec.power, spec.alpha)
+    n = seeds_to_decide(spec, d)
     return f"; about {n} seeds per arm would decide it at the observed spread" if n else ""
+
+
+def seeds_to_decide(spec, d: stats.Difference) -> int | None:
+    """Seeds per arm at which a fixed-sample test has the declared power at the smallest effect, at
+    the observed spread (None where it cannot be computed)."""
+    if spec.primary.direction == "equal":
+        return stats.seeds_for_equivalence(spec.primary.smallest_effect, d.sd, spec.power, spec.alpha)
+    return stats.seeds_for_power(spec.primary.smallest_effect, d.sd, True, spec.power, spec.alpha)
 
 
 def gate_checks(spec, arms: dict, values: dict) -> dict[str, Gate]:

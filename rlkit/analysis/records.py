@@ -13,6 +13,8 @@ from pathlib import Path
 from rlkit import atomic
 from rlkit.analysis import stats
 from rlkit.analysis.arms import pair, per_run, runs_by_arm
+from rlkit.analysis.budget import affordable
+from rlkit.analysis.runs import wall_of
 from rlkit.analysis.study import (
     Stopped,
     StudySpec,
@@ -50,6 +52,7 @@ def record(spec: StudySpec, results: Path, arm: str, seed: int, run_dir: Path, e
         "choices": meta["choices"],
         "config": meta["config"],
         "hardware": meta.get("hardware"),
+        "wall_s": wall_of(run_dir),  # None for a run without a summary: its logged times stand in
     }
     path = record_path(results, arm, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +163,8 @@ def plan(spec: StudySpec, records: list) -> Plan:
     """Seeds per arm from the pilot's paired spread, inflated to its upper confidence limit, at the
     declared smallest effect (an equivalence margin for `equal`), Bonferroni over the treatments;
     and for each gate that needs power (`gate_plans`: the positive control, the learning check) the
-    seeds it needs. The most any of them needs is the plan, up to the cap."""
+    seeds it needs. The most any of them needs is the plan, up to the cap (or the seeds the declared budget
+    pays for at the pilot's cost of a seed, where fewer)."""
     pilot = [(head, rows) for head, rows in records if head["seed"] < spec.seeds.pilot]  # a replan gives the same plan
     arms = runs_by_arm(pilot, spec)[0]
     values = per_run(arms, spec.primary, spec.unfinished)
@@ -176,6 +180,8 @@ def plan(spec: StudySpec, records: list) -> Plan:
         needs[arm] = Need(d.sd, sd, need if need is not None else spec.seeds.pilot, pilot_pairs=d.n)
     gates = gate_plans(spec, arms, values)
     needed = max([n.needed for n in needs.values()] + [g.needed or 0 for g in gates.values()])
+    afford = affordable(spec, pilot)
+    limit = min(spec.seeds.cap, afford or spec.seeds.cap)
     return Plan(
         pilot_seeds=spec.seeds.pilot,
         cap=spec.seeds.cap,
@@ -183,10 +189,11 @@ def plan(spec: StudySpec, records: list) -> Plan:
         arms=needs,
         declared=declared(spec),
         needed=needed,
-        seeds=min(spec.seeds.cap, max(spec.seeds.pilot, needed)),
-        capped=needed > spec.seeds.cap,
+        seeds=min(limit, max(spec.seeds.pilot, needed)),
+        capped=needed > limit,
         gates=gates,
         short=tuple(g for g, n in gates.items() if n.needed is None),
+        affordable=afford,
     )
 
 

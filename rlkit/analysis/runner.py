@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlkit import atomic
 from rlkit.analysis.arms import planned_runs
+from rlkit.analysis.budget import arm_hours, exhausted
 from rlkit.analysis.decision import analyse, settled
 from rlkit.analysis.records import check_declaration, check_logged, plan, read_plan, read_records, record, record_path
 from rlkit.analysis.study import Stopped, StudySpec, overrides
@@ -126,10 +127,7 @@ def longest_first(todo: list, records: list) -> list:
     """The runs of each seed in the order of their arms' recorded run times, longest first (ties and
     arms not yet run in the declared order): with fewer jobs than arms the long run starts at once and
     the short ones share the other slots, so a seed ends when its longest run does."""
-    took = {}
-    for head, rows in records:
-        took.setdefault(head["arm"], []).append(sum(r.get("time/step", 0.0) + r.get("time/eval", 0.0) for r in rows))
-    mean = {arm: sum(t) / len(t) for arm, t in took.items()}
+    mean = arm_hours(records)
     return sorted(todo, key=lambda run: (run[1], -mean.get(run[0], 0.0)))
 
 
@@ -189,6 +187,8 @@ def run_sequential(spec: StudySpec, name: str, runs: Path, results: Path, signal
     at the first look that settles it (`settled`). The looks are a function of the records alone,
     so a resumed or extended study takes the same ones."""
     for n in range(spec.seeds.pilot, spec.seeds.cap + 1):
+        if n > spec.seeds.pilot and over_budget(spec, name, results, n - 1):
+            return
         run_seeds(spec, name, n, runs, results, signals, jobs)
         if n == spec.seeds.pilot:
             check_logged(spec, read_records(results))
@@ -199,9 +199,19 @@ def run_sequential(spec: StudySpec, name: str, runs: Path, results: Path, signal
             return
 
 
+def over_budget(spec: StudySpec, name: str, results: Path, seed: int) -> bool:
+    """Whether the declared budget stops the study before `seed` (one already begun is finished)."""
+    records = read_records(results)
+    why = None if any(head["seed"] == seed for head, _ in records) else exhausted(spec, records)
+    if why:
+        print(f"rlkit-study: {name}: stopped before seed {seed}: {why}", file=sys.stderr)
+    return why is not None
+
+
 def decision(name: str, fixed: Plan) -> str:
     """Why the study stops after its pilot, and the two ways on."""
-    why = [f"the plan needs {fixed.needed} seeds per arm, past the cap of {fixed.cap}"] if fixed.capped else []
+    limit = f"the cap of {fixed.cap}" if fixed.limit == fixed.cap else f"the {fixed.limit} the budget affords"
+    why = [f"the plan needs {fixed.needed} seeds per arm, past {limit}"] if fixed.capped else []
     why += [f"the pilot fell short of the {gate}'s bound" for gate in fixed.short]
     needs = "; ".join(
         f"{what}: {n.needed if n.needed is not None else 'short'}" for what, n in {**fixed.arms, **fixed.gates}.items()

@@ -139,6 +139,8 @@ class StudySpec:
     power: float = 0.8
     seeds: Seeds = field(default_factory=Seeds)
     sequential: Sequential | None = None  # a sequential design (see `Sequential`); None: fixed n from the pilot
+    budget: float | None = None  # run-hours (the runs' wall times summed) the study may spend: no seed starts that
+    # the recorded cost of a seed says would pass it (`rlkit.analysis.budget`); None: the seed cap alone
 
 
 class StudyError(ValueError):
@@ -223,12 +225,14 @@ def gate_problems(spec: StudySpec) -> list[str]:
 
 
 def seed_problems(spec: StudySpec) -> list[str]:
-    """The pilot within the cap (a sequential design's first look needs 3 pairs), a positive prior."""
+    """The pilot within the cap (a sequential design's first look needs 3 pairs), a positive prior and budget."""
     problems, first = [], 3 if spec.sequential else 2
     if spec.seeds.first < 0:
         problems.append(f"seeds.first must be >= 0, got {spec.seeds.first}")
     if not first <= spec.seeds.pilot <= spec.seeds.cap:
         problems.append(f"seeds need {first} <= pilot <= cap, got pilot {spec.seeds.pilot}, cap {spec.seeds.cap}")
+    if spec.budget is not None and not spec.budget > 0:
+        problems.append(f"budget must be > 0 run-hours, got {spec.budget}")
     if spec.sequential and not spec.sequential.prior > 0:
         problems.append(f"sequential.prior must be > 0, got {spec.sequential.prior}")
     return problems
@@ -284,11 +288,12 @@ def with_defaults(was: dict) -> dict:
 
 
 def extensible(decl: dict) -> dict:
-    """A sequential declaration without its seed cap, which an extension may raise: the looks stay
-    anytime-valid however far the study goes."""
+    """A sequential declaration without its seed cap and budget, which an extension may raise: the
+    looks stay anytime-valid however far the study goes."""
     if not decl.get("sequential"):
         return decl
-    return {**decl, "seeds": {k: v for k, v in decl["seeds"].items() if k != "cap"}}
+    kept = {k: v for k, v in decl.items() if k != "budget"}
+    return {**kept, "seeds": {k: v for k, v in decl["seeds"].items() if k != "cap"}}
 
 
 def changes(was: dict, now: dict, prefix: str = "") -> list[str]:

@@ -164,6 +164,12 @@ class Plan:
     gates: dict[str, Need] = field(default_factory=dict)
     short: tuple[str, ...] = ()  # the gates whose pilot fell short of their bound
     to_cap: bool = False
+    affordable: int | None = None  # seeds per arm the declared budget pays for at the pilot's cost of a seed
+
+    @property
+    def limit(self) -> int:
+        """The most seeds the plan may run: the cap, or fewer where the budget affords fewer."""
+        return min(self.cap, self.affordable or self.cap)
 
     @property
     def undecidable(self) -> bool:
@@ -175,7 +181,8 @@ class Plan:
         """A plan as `plan.json` keeps it (files from before gates were planned have none)."""
         needs = {g: {a: Need(**v) for a, v in d.get(g, {}).items()} for g in ("arms", "gates")}
         keep = {k: d[k] for k in ("pilot_seeds", "cap", "alpha_for_planning", "declared", "needed", "seeds", "capped")}
-        return cls(**keep, **needs, short=tuple(d.get("short", ())), to_cap=d.get("to_cap", False))
+        extra = {"to_cap": d.get("to_cap", False), "affordable": d.get("affordable")}
+        return cls(**keep, **needs, short=tuple(d.get("short", ())), **extra)
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from rlkit import atomic
 from rlkit.analysis.arms import missing_runs
+from rlkit.analysis.budget import compute_words, exhausted, seed_hours
 from rlkit.analysis.compare import plot
-from rlkit.analysis.decision import analyse, fmt_ci, settled
+from rlkit.analysis.decision import analyse, fmt_ci, seeds_to_decide, settled
 from rlkit.analysis.runs import aggregate_name
 from rlkit.analysis.study import START, learner, learning_arm, learning_margin, treatments
 from rlkit.analysis.values import Analysis, Bound, Plan
@@ -49,7 +50,8 @@ def _seed_words(spec, plan: Plan | None) -> str:
         for g, n in plan.gates.items()
     )
     to_cap = "; run to the cap by decision (--to-cap)" if plan.to_cap else ""
-    return seeds + f"; planned {plan.seeds} per arm (needed {plan.needed}{sds}{gates}){to_cap}"
+    afford = f"; the budget affords {plan.affordable} at the pilot's cost" if plan.affordable is not None else ""
+    return seeds + f"; planned {plan.seeds} per arm (needed {plan.needed}{sds}{gates}{afford}){to_cap}"
 
 
 def gate_words(spec) -> list[str]:
@@ -113,7 +115,25 @@ def stop_lines(spec, records: list, r: Analysis) -> list[str]:
     if not spec.sequential:
         return []
     n, why = len({head["seed"] for head, _ in records}), settled(spec, r)
-    return [f"Stopped at {n} seeds: {why}." if why else f"Not settled at {n} seeds (cap {spec.seeds.cap}).", ""]
+    if why:
+        return [f"Stopped at {n} seeds: {why}.", ""]
+    spent = exhausted(spec, records)
+    if not spent:
+        return [f"Not settled at {n} seeds (cap {spec.seeds.cap}).", ""]
+    return [f"Stopped at {n} seeds, undecided: {spent}.{undecided_cost(spec, records, r)}", ""]
+
+
+def undecided_cost(spec, records: list, r: Analysis) -> str:
+    """What deciding each open treatment would cost: the seeds a fixed-sample test needs at the
+    observed spread (a sequential one needs more), in run-hours at the recorded cost of a seed."""
+    words = []
+    for arm in r.treatments:
+        n = seeds_to_decide(spec, r.diffs[arm]) if r.verdicts[arm].word == "inconclusive" else None
+        if n:
+            words.append(f"about {n} seeds per arm for {arm} ({n * seed_hours(records):.1f} run-hours in all)")
+    if not words:
+        return ""
+    return " At the observed spread a fixed-sample test would need " + "; ".join(words) + " to decide."
 
 
 def verdict_lines(spec, r: Analysis) -> list[str]:
@@ -148,8 +168,8 @@ def secondary_lines(spec, r: Analysis) -> list[str]:
     return lines + [""]
 
 
-def provenance_lines(records: list, name: str) -> list[str]:
-    """How many runs, on which CPUs, and the command that recomputes every number."""
+def provenance_lines(spec, records: list, name: str) -> list[str]:
+    """How many runs, on which CPUs, their run-hours, and the command that recomputes every number."""
     hw = [h.get("hardware") or {} for h, _ in records]
     cpus = sorted(
         {
@@ -161,7 +181,8 @@ def provenance_lines(records: list, name: str) -> list[str]:
         "### Where the numbers come from",
         "",
         f"{len(records)} runs, raw metrics in `results/runs/` (one gzipped JSON-lines file per run), on "
-        f"{'; '.join(cpus)}. Every number above: `rlkit-study {name} --analyse-only`.",
+        f"{'; '.join(cpus)}; compute: {compute_words(spec, records)}. Every number above: "
+        f"`rlkit-study {name} --analyse-only`.",
         "",
     ]
 
@@ -212,7 +233,7 @@ def report(spec, name: str, results: Path, records: list, plan: Plan | None) -> 
         lines += [*[f"- {x}" for x in r.unfinished], ""]
     if r.unpaired:
         lines += ["### Seeds without a pair", "", *[f"- {x}" for x in r.unpaired], ""]
-    lines += provenance_lines(records, name)
+    lines += provenance_lines(spec, records, name)
     if plot_primary(spec, r.arms, results):
         lines += [f"![{P.metric}](results/{P.metric.replace('/', '_')}.png)", ""]
     return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""A study's declared compute budget: run-hours from the records (each run's wall time, or its
+logged times for a record kept without one), the seeds a fixed design's budget affords, and the
+seed before which a sequential study stops; worked by hand on records the test writes (`run_seeds`
+only records what it is asked for: the tiny study in test_study trains real runs end to end)."""
+
+import json
+
+import pytest
+from test_sequential import sequential_study, write_records
+from test_study import rec, records, write_spec
+
+from rlkit.analysis import runner
+from rlkit.analysis.budget import exhausted, run_hours, seed_hours, spent
+from rlkit.analysis.records import plan
+from rlkit.analysis.study import StudyError
+from rlkit.analysis.study_cli import main as study_main
+
+
+def timed(recs, hours: dict):
+    """The records with each arm's runs taking `hours[arm]` of wall time."""
+    for head, _ in recs:
+        head["wall_s"] = hours[head["arm"]] * 3600
+    return recs
+
+
+def test_a_runs_hours_are_its_wall_time_else_its_logged_step_and_evaluation_times():
+    head, rows = rec("b", 0, 0.5)
+    for row, (step, ev) in zip(rows, [(0.0, 900.0), (1800.0, 0.0), (1800.0, 900.0)]):
+        row.update({"time/step": step, "time/eval": ev})
+    assert run_hours(head, rows) == pytest.approx(1.5)  # 5400 s logged
+    assert run_hours({**head, "wall_s": 7200.0}, rows) == 2.0
+    assert run_hours({**head, "wall_s": None}, rows) == pytest.approx(1.5)  # a run without a summary
+    recs = timed(records([0.5, 0.5, 0.5], [0.6, 0.6]), {"b": 1.0, "t": 0.5})
+    assert spent(recs) == 4.0 and seed_hours(recs) == 1.5  # one more seed: a run of each arm
+
+
+def test_a_budget_that_is_not_positive_is_refused(tmp_path):
+    with pytest.raises(StudyError, match="budget must be > 0 run-hours, got 0"):
+        write_spec(tmp_path, budget=0)
+
+
+def test_a_fixed_design_plans_no_more_seeds_than_its_budget_affords(tmp_path, monkeypatch, capsys):
+    """Pilot: 3 seeds of 2 runs of an hour each, 6 run-hours; a budget of 9 pays for 4 seeds, under
+    the cap of 8 and the about 60 the noisy pilot needs: the study stops after its pilot naming the
+    budget, and `--to-cap` runs the 4 it affords."""
+    folder = tmp_path / "experiments" / "dear"
+    folder.mkdir(parents=True)
+    spec = write_spec(folder, seeds={"pilot": 3, "cap": 8}, budget=9)
+    pilot = timed(records([0.3, 0.4, 0.5], [0.2, 0.6, 0.45]), {"b": 1.0, "t": 1.0})
+    p = plan(spec, pilot)
+    assert (p.affordable, p.limit, p.seeds, p.capped) == (4, 4, 4, True) and p.needed > 8
+    assert plan(write_spec(folder, seeds={"pilot": 3, "cap": 8}), pilot).affordable is None
+    spec = write_spec(folder, seeds={"pilot": 3, "cap": 8}, budget=9)
+    write_records(folder, spec, pilot)
+    asked = []
+    monkeypatch.setattr(runner, "run_seeds", lambda spec, name, seeds, *a: asked.append(seeds))
+    monkeypatch.chdir(tmp_path)
+    assert study_main(["dear"]) == 4 and "past the 4 the budget affords" in capsys.readouterr().err
+    assert study_main(["dear", "--to-cap"]) == 0 and asked[-1] == 4
+    assert json.loads((folder / "results" / "plan.json").read_text())["affordable"] == 4
+
+
+def test_a_sequential_study_stops_before_the_seed_its_budget_cannot_pay_and_says_what_deciding_costs(
+    tmp_path, monkeypatch, capsys
+):
+    """Each seed: two runs of an hour. A budget of 9 run-hours pays for the 4th seed (6 + 2 <= 9),
+    not the 5th (8 + 2 > 9): a noisy study that no look settles stops after 4 seeds, undecided, its
+    README saying so with the seeds and run-hours a fixed-sample test would need. A seed already
+    begun is finished whatever the budget; raising the budget continues the study (an extension)."""
+    folder = tmp_path / "experiments" / "noisy"
+    folder.mkdir(parents=True)
+    spec = sequential_study(folder, cap=12, budget=9)
+    pool = timed(records([0.5] * 12, [0.5, 0.9, 0.2, 0.6, 0.4, 0.7, 0.3, 0.8, 0.1, 0.6, 0.5, 0.7]), {"b": 1, "t": 1})
+    asked = []
+
+    def run_seeds(spec, name, seeds, *a):  # records the asked seeds' runs as if they had trained
+        asked.append(seeds)
+        write_records(folder, spec, [(h, r) for h, r in pool if h["seed"] < seeds])
+
+    monkeypatch.setattr(runner, "run_seeds", run_seeds)
+    monkeypatch.chdir(tmp_path)
+    assert study_main(["noisy"]) == 0 and asked == [3, 4]
+    err = capsys.readouterr().err
+    assert "stopped before seed 4: the declared budget of 9 run-hours is spent (8.00 run-hours recorded" in err
+    readme = (folder / "README.md").read_text()
+    assert "Stopped at 4 seeds, undecided: the declared budget of 9 run-hours is spent" in readme
+    assert "compute: 8.00 run-hours of the declared 9 (about 2.00 a seed of every arm)" in readme
+    assert "### Verdict, t against b: inconclusive" in readme
+    n = int(readme.split("fixed-sample test would need about ")[1].split(" seeds")[0])
+    assert f"about {n} seeds per arm for t ({2 * n:.1f} run-hours in all) to decide." in readme and n > 4
+    assert exhausted(spec, [(h, r) for h, r in pool if h["seed"] < 3]) is None
+    write_records(folder, spec, [(h, r) for h, r in pool if h["seed"] == 4 and h["arm"] == "b"])  # begun
+    asked.clear()
+    assert study_main(["noisy"]) == 0 and asked == [3, 4, 5]
+    sequential_study(folder, cap=12, budget=13)  # the extension: two seeds more
+    asked.clear()
+    assert study_main(["noisy"]) == 0 and asked == [3, 4, 5, 6]
