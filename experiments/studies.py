@@ -20,6 +20,7 @@ from rlkit.analysis.decision import analyse, premises_gate
 from rlkit.analysis.records import read_plan, read_records
 from rlkit.analysis.study import Premise, load_spec
 from rlkit.analysis.values import Analysis, Gate, Verdict
+from rlkit.analysis.verdict import ended
 
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
@@ -65,16 +66,23 @@ class Result:
 
 
 def verdicts(name: str) -> tuple[dict[str, Result], Analysis, str, Gate | None] | None:
-    """Of a study whose planned runs are all recorded: {treatment: Result}, its analysis, what it was
-    tested on and its post-hoc premise (None: none); else None (no interim verdict)."""
+    """Of a study whose planned runs are all recorded (a sequential one: whose runs are over):
+    {treatment: Result}, its analysis, what it was tested on and its post-hoc premise (None: none);
+    else None (no interim verdict)."""
     folder = HERE / name
-    if not (folder / "results" / "plan.json").exists():
-        return None
-    spec, records = load_spec(folder / "study.yaml"), read_records(folder / "results")
-    fixed = read_plan(folder / "results" / "plan.json")
-    if missing_runs(spec, records, fixed):
-        return None
-    r = analyse(spec, records, fixed, robust=False)
+    spec = load_spec(folder / "study.yaml")
+    if spec.sequential:  # over when its last look settled it, its budget is spent or it reached its cap
+        records, fixed = read_records(folder / "results") if (folder / "results").exists() else [], None
+        r = analyse(spec, records, fixed, robust=False) if records else None
+        if r is None or ended(spec, records, r) is None:
+            return None
+    else:
+        if not (folder / "results" / "plan.json").exists():
+            return None
+        records, fixed = read_records(folder / "results"), read_plan(folder / "results" / "plan.json")
+        if missing_runs(spec, records, fixed):
+            return None
+        r = analyse(spec, records, fixed, robust=False)
     post_hoc = premises_gate(dataclasses.replace(spec, premises=[POST_HOC[name]]), r.arms) if name in POST_HOC else None
     claimed_equal = spec.primary.direction == "equal"
     results = {

@@ -11,9 +11,11 @@ from test_study import rec, records, write_spec
 
 from rlkit.analysis import runner
 from rlkit.analysis.budget import exhausted, run_hours, seed_hours, spent
+from rlkit.analysis.decision import analyse
 from rlkit.analysis.records import plan
 from rlkit.analysis.study import StudyError
 from rlkit.analysis.study_cli import main as study_main
+from rlkit.analysis.verdict import ended
 
 
 def timed(recs, hours: dict):
@@ -95,3 +97,18 @@ def test_a_sequential_study_stops_before_the_seed_its_budget_cannot_pay_and_says
     sequential_study(folder, cap=12, budget=13)  # the extension: two seeds more
     asked.clear()
     assert study_main(["noisy"]) == 0 and asked == [3, 4, 5, 6]
+
+
+def test_a_sequential_study_is_over_when_settled_spent_or_capped_and_not_before(tmp_path):
+    """`ended` (the README's last-look line, and what lets the studies table give a sequential
+    study's verdict): None while the study goes on, a sentence once it reached its cap."""
+    recs = timed(records([0.5] * 5, [0.5, 0.9, 0.2, 0.6, 0.4]), {"b": 1, "t": 1})
+
+    def last_look(**changes):
+        spec = sequential_study(tmp_path, **changes)
+        return ended(spec, recs, analyse(spec, recs, None))
+
+    assert last_look(cap=8) is None
+    assert last_look(cap=5).startswith("Stopped at the cap of 5 seeds, undecided.")
+    assert last_look(cap=8, budget=11).startswith("Stopped at 5 seeds, undecided: the declared budget")  # 10 + 2 > 11
+    assert last_look(cap=8, budget=12) is None

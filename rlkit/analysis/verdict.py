@@ -114,13 +114,22 @@ def stop_lines(spec, records: list, r: Analysis) -> list[str]:
     """A sequential study's last look: why it stopped there, or that it is not settled."""
     if not spec.sequential:
         return []
+    n = len({head["seed"] for head, _ in records})
+    return [ended(spec, records, r) or f"Not settled at {n} seeds (cap {spec.seeds.cap}).", ""]
+
+
+def ended(spec, records: list, r: Analysis) -> str | None:
+    """Why a sequential study's runs are over, in a sentence: its last look settled it, its declared
+    budget is spent, or it reached its cap; None while it goes on."""
     n, why = len({head["seed"] for head, _ in records}), settled(spec, r)
     if why:
-        return [f"Stopped at {n} seeds: {why}.", ""]
+        return f"Stopped at {n} seeds: {why}."
     spent = exhausted(spec, records)
-    if not spent:
-        return [f"Not settled at {n} seeds (cap {spec.seeds.cap}).", ""]
-    return [f"Stopped at {n} seeds, undecided: {spent}.{undecided_cost(spec, records, r)}", ""]
+    if spent:
+        return f"Stopped at {n} seeds, undecided: {spent}.{undecided_cost(spec, records, r)}"
+    if n >= spec.seeds.cap:
+        return f"Stopped at the cap of {n} seeds, undecided.{undecided_cost(spec, records, r)}"
+    return None
 
 
 def undecided_cost(spec, records: list, r: Analysis) -> str:
