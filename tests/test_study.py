@@ -790,3 +790,31 @@ def test_a_seeds_runs_start_longest_first_by_their_arms_recorded_times():
         ("d", 2),
     ]
     assert longest_first(todo, []) == todo
+
+
+def test_a_claimed_equality_is_refuted_only_by_a_difference_beyond_its_margin(tmp_path):
+    """Claimed: equal within ±0.1. Differences 0.09 + 0.05 z, z = (-1.5, -0.5, 0, 0, 0.5, 1.5) (mean 0,
+    sd 1): se = 0.05 / sqrt(6) = 0.0204, so against 0 t = 4.41 on 5 df (p = 0.007), but the difference
+    is neither shown inside the margin (TOST's upper test (0.09 - 0.1) / se = -0.49: p = 0.32) nor
+    beyond it (2 x P(t > -0.49) > 1: p = 1): inconclusive, not refuted. Shifted to 0.3 it lies beyond
+    (t = 9.8 past the margin): refuted. The same in a sequential design at 12 pairs."""
+    equal = {"metric": "eval/accuracy", "aggregate": "final", "direction": "equal", "smallest_effect": 0.1}
+    spec = write_spec(tmp_path, primary=equal)
+    z = [-1.5, -0.5, 0.0, 0.0, 0.5, 1.5]
+    near = records([0.3] * 6, [0.3 + 0.09 + 0.05 * x for x in z])
+    r = analyse(spec, near, None)
+    assert r.diffs["t"].p == pytest.approx(2 * stats.sps.t.sf(0.09 / (0.05 / 6**0.5), 5))
+    assert r.diffs["t"].p < 0.01 and r.p_adjusted["t"] == 1.0
+    word, why = words(r)
+    assert word == "inconclusive (not gated)" and "beyond ±0.1 adjusted p = 1, TOST at ±0.1 adjusted p = 0.32" in why
+    far = records([0.3] * 6, [0.3 + 0.3 + 0.05 * x for x in z])
+    r = analyse(spec, far, None)
+    assert r.p_adjusted["t"] == pytest.approx(2 * stats.sps.t.sf(0.2 / (0.05 / 6**0.5), 5))
+    assert words(r)[0] == "refuted (not gated)"
+    seq = write_spec(tmp_path, primary=equal, seeds={"pilot": 3, "cap": 12}, sequential={"prior": 1.0})
+    assert words(analyse(seq, records([0.3] * 12, [0.3 + 0.09 + 0.05 * x for x in z * 2]), None))[0].startswith(
+        "inconclusive"
+    )
+    assert words(analyse(seq, records([0.3] * 12, [0.3 + 0.3 + 0.05 * x for x in z * 2]), None))[0].startswith(
+        "refuted"
+    )

@@ -198,13 +198,16 @@ def decide(
 
 
 def outcome(spec, d: stats.Difference, p_sig: float, p_eq: float, seq: Sequence | None = None) -> tuple[str, str]:
-    """Equivalence testing's outcomes (Lakens 2018) for significance against 0 and TOST against the
-    declared margin, both adjusted: reproduced (significant the claimed way, not inside the margin),
-    negligible (significant but inside it), equivalent (not significant, inside it), refuted
-    (significant against the claim), inconclusive (neither test decides)."""
+    """Equivalence testing's outcomes (Lakens 2018) for significance (`p_sig`: against 0, or for a
+    claimed equality a difference beyond the margin) and TOST against the declared margin, both
+    adjusted: reproduced (significant the claimed way, not inside the margin), negligible
+    (significant but inside it), equivalent (not significant, inside it), refuted (significant
+    against the claim: for a claimed equality, wholly beyond the margin), inconclusive (neither
+    test decides)."""
     delta, alpha, direction = spec.primary.smallest_effect, spec.alpha, spec.primary.direction
     sig, equal = p_sig < alpha, p_eq < alpha
-    tests = f"adjusted p = {p_sig:.2g}, TOST at ±{delta:g} adjusted p = {p_eq:.2g}"
+    against = f"beyond ±{delta:g} " if direction == "equal" else ""
+    tests = f"{against}adjusted p = {p_sig:.2g}, TOST at ±{delta:g} adjusted p = {p_eq:.2g}"
     if seq is not None:
         tests = f"anytime-valid {tests}; confidence sequence [{seq.interval[0]:+.3g}, {seq.interval[1]:+.3g}]"
     if sig and equal:
@@ -247,10 +250,14 @@ def gate_checks(spec, arms: dict, values: dict) -> dict[str, Gate]:
 
 def primary_tests(spec, tested: list[str], pairs: dict, diffs: dict) -> tuple[dict, dict, dict]:
     """Each treatment's confidence sequence (None in a fixed design) and its Holm-adjusted p of no
-    difference and of TOST at the smallest effect: anytime-valid in a sequential design."""
+    difference (for a claimed equality: of a difference no larger than the smallest effect, since a
+    real difference inside the margin does not refute the claim) and of TOST at the smallest effect:
+    anytime-valid in a sequential design."""
     delta = spec.primary.smallest_effect
     seqs = {a: sequence(spec, differences(pairs[a]), delta) if spec.sequential else None for a in tested}
     sig = [seqs[a].p if seqs[a] else diffs[a].p for a in tested]
+    if spec.primary.direction == "equal":  # against a claimed equality: a difference beyond the margin
+        sig = [seqs[a].p_outside if seqs[a] else diffs[a].beyond(delta) for a in tested]
     eq = [seqs[a].p_inside if seqs[a] else diffs[a].tost(delta) for a in tested]
     return seqs, dict(zip(tested, stats.holm(sig))), dict(zip(tested, stats.holm(eq)))
 

@@ -68,6 +68,7 @@ class Sequence:
     p: float
     p_inside: float
     alpha: float
+    p_outside: float = math.nan  # anytime-valid p of a difference inside +-margin (nan without a margin)
 
     def describe(self) -> str:
         lo, hi = self.interval
@@ -81,7 +82,7 @@ class Sequence:
 
 def track(d: list[float], alpha: float, phi: float = 1.0, margin: float | None = None) -> Sequence:
     """Look after each of the differences `d` (in seed order) and return the state after the last."""
-    lo, hi, p, p_inside = -math.inf, math.inf, 1.0, 1.0
+    lo, hi, p, p_inside, p_outside = -math.inf, math.inf, 1.0, 1.0, 1.0
     for n in range(FIRST_LOOK, len(d) + 1):
         seen = d[:n]
         mean, half = sum(seen) / n, radius(seen, alpha, phi)
@@ -90,5 +91,10 @@ def track(d: list[float], alpha: float, phi: float = 1.0, margin: float | None =
         if margin is not None and -margin < mean < margin:
             evidence = min(log_e(seen, -margin, phi), log_e(seen, margin, phi))
             p_inside = min(p_inside, math.exp(-evidence))
+        if margin is not None and not -margin <= mean <= margin:  # the least evidence over [-margin, margin]
+            evidence = min(log_e(seen, mu, phi) for mu in (-margin, max(-margin, min(margin, mean)), margin))
+            p_outside = min(p_outside, math.exp(-evidence))
     mean = sum(d) / len(d) if d else math.nan
-    return Sequence(len(d), mean, (lo, hi), p, p_inside if margin is not None else math.nan, alpha)
+    if margin is None:
+        p_inside = p_outside = math.nan
+    return Sequence(len(d), mean, (lo, hi), p, p_inside, alpha, p_outside)

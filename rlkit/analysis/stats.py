@@ -57,6 +57,15 @@ class Difference:
             max(sps.t.sf((self.diff + margin) / self.se, self.df), sps.t.cdf((self.diff - margin) / self.se, self.df))
         )
 
+    def beyond(self, margin: float) -> float:
+        """p-value of "the difference lies inside [-margin, margin]" against its lying beyond it (the
+        interval wholly outside the margin: two one-sided t-tests at alpha / 2, as the interval is)."""
+        if self.n < 2:
+            return float("nan")
+        if self.se == 0:
+            return 0.0 if abs(self.diff) > margin else 1.0
+        return float(min(1.0, 2 * sps.t.sf((abs(self.diff) - margin) / self.se, self.df)))
+
     def brief(self) -> str:
         """The difference and its interval alone, for tables: `+0.100 [-0.148, +0.348] (n = 3)`."""
         if math.isnan(self.diff) or self.n < 2 or self.zero_variance:

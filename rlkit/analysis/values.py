@@ -112,7 +112,7 @@ class Analysis:
     treatments: tuple[str, ...]
     values: dict  # {arm: {seed: the primary's per-run aggregate}}
     diffs: dict[str, Difference]  # treatment -> its paired difference from the baseline
-    p_adjusted: dict[str, float]  # Holm across treatments, significance against 0
+    p_adjusted: dict[str, float]  # Holm across treatments, significance against 0 (a claimed equality: beyond it)
     p_tost_adjusted: dict[str, float]  # Holm across treatments, TOST at the smallest effect
     robust: dict[str, Robust | None]  # treatment -> IQM and P(improvement), from BOOTSTRAP_FROM pairs
     verdicts: dict[str, Verdict]
