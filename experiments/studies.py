@@ -30,6 +30,7 @@ STUDIES = [
     "dynamic_sampling",
     "dynamic_sampling_smollm2",
     "dynamic_sampling_smollm2_dense",  # second declaration of dynamic_sampling_smollm2 (dense evaluation)
+    "dynamic_sampling_smollm2_coupled",  # third: coupled arms, fresh seeds, sequential within a budget
     "difficulty_bias",
     "difficulty_bias_smollm2_controlled",  # second declaration of difficulty_bias_smollm2, with a positive control
     "off_policy",
