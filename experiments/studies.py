@@ -74,8 +74,10 @@ def verdicts(name: str) -> tuple[dict[str, Result], Analysis, str, Gate | None] 
     spec = load_spec(folder / "study.yaml")
     if spec.sequential:  # over when its last look settled it, its budget is spent or it reached its cap
         records, fixed = read_records(folder / "results") if (folder / "results").exists() else [], None
-        r = analyse(spec, records, fixed, robust=False) if records else None
-        if r is None or ended(spec, records, r) is None:
+        if not records:
+            return None
+        r = analyse(spec, records, fixed, robust=False)
+        if ended(spec, records, r) is None:
             return None
     else:
         if not (folder / "results" / "plan.json").exists():

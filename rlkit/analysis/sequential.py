@@ -68,7 +68,7 @@ class Sequence:
     p: float
     p_inside: float
     alpha: float
-    p_outside: float = math.nan  # anytime-valid p of a difference inside +-margin (nan without a margin)
+    p_outside: float = math.nan  # anytime-valid p of "inside +-margin": evidence of a difference beyond it
 
     def describe(self) -> str:
         lo, hi = self.interval
@@ -88,12 +88,12 @@ def track(d: list[float], alpha: float, phi: float = 1.0, margin: float | None =
         mean, half = sum(seen) / n, radius(seen, alpha, phi)
         lo, hi = max(lo, mean - half), min(hi, mean + half)
         p = min(p, math.exp(-log_e(seen, 0.0, phi)))
-        if margin is not None and -margin < mean < margin:
-            evidence = min(log_e(seen, -margin, phi), log_e(seen, margin, phi))
-            p_inside = min(p_inside, math.exp(-evidence))
-        if margin is not None and not -margin <= mean <= margin:  # the least evidence over [-margin, margin]
-            evidence = min(log_e(seen, mu, phi) for mu in (-margin, max(-margin, min(margin, mean)), margin))
-            p_outside = min(p_outside, math.exp(-evidence))
+        if margin is not None and abs(mean) != margin:  # the least evidence against the side the mean is not on
+            p_margin = math.exp(-min(log_e(seen, -margin, phi), log_e(seen, margin, phi)))
+            if abs(mean) < margin:
+                p_inside = min(p_inside, p_margin)
+            else:
+                p_outside = min(p_outside, p_margin)
     mean = sum(d) / len(d) if d else math.nan
     if margin is None:
         p_inside = p_outside = math.nan
