@@ -48,9 +48,12 @@ def clipped_surrogate(
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)  # [N, Tc]
     with torch.no_grad():
+        low, high = (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)  # [N, Tc] each
         stats = {
-            "clip_frac_low": (ratio < 1 - eps_low) & (adv < 0),
-            "clip_frac_high": (ratio > 1 + eps_high) & (adv > 0),
+            "clip_frac_low": low,
+            "clip_frac_high": high,
+            "clip_frac_low_of_neg": (low, adv < 0),  # the share of the tokens the lower bound can act on
+            "clip_frac_high_of_pos": (high, adv > 0),  # ... and of those the upper bound can act on
             "ratio_dev": (ratio - 1).abs(),
         }
     return loss, stats
@@ -246,7 +249,9 @@ class GSPO(Regularised):
     def surrogate(self, logp, old_logp, adv, mask):
         log_s, seq_adv = seq_mean(logp - old_logp, mask)[:, 0], seq_mean(adv, mask)[:, 0]  # [n] each
         loss, stats = clipped_surrogate(log_s, torch.zeros_like(log_s), seq_adv, self.eps_low, self.eps_high)  # [n]
-        return loss[:, None] * mask, {k: v[:, None].float() * mask for k, v in stats.items()}  # [n, Tc]
+        spread = lambda v: v[:, None].float() * mask  # noqa: E731  [n] -> [n, Tc]
+        stats = {k: tuple(map(spread, v)) if isinstance(v, tuple) else spread(v) for k, v in stats.items()}
+        return loss[:, None] * mask, stats  # [n, Tc]
 
 
 class CISPO(Regularised):

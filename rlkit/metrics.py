@@ -209,13 +209,14 @@ def generated_metrics(env, rollouts: list[Rollout]) -> dict:
 
 
 def update_metrics(stats: UpdateStats) -> dict:
-    """The update's statistics: each loss statistic's token mean (none over zero tokens) and the
-    mean loss and gradient norm over its optimizer steps (none when it was skipped), and the
-    critic's mean value loss."""
+    """The update's statistics: each loss statistic's token mean (over its own tokens when it has a
+    `within`; none over zero tokens) and the mean loss and gradient norm over its optimizer steps
+    (none when it was skipped), and the critic's mean value loss."""
     out = {}
     if not stats.skipped:
         if stats.tokens:
-            out = {f"train/{k}": v / stats.tokens for k, v in stats.sums.items()}
+            counts = {k: stats.counts.get(k, stats.tokens) for k in stats.sums}
+            out = {f"train/{k}": v / counts[k] if counts[k] else None for k, v in stats.sums.items()}
         if stats.losses:
             out["train/loss"] = sum(stats.losses) / len(stats.losses)
             out["train/grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)

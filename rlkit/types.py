@@ -223,14 +223,21 @@ class UpdateStats:
     skipped: bool = False  # a NaN or inf advantage, loss or gradient norm
     sums: dict = field(default_factory=dict)  # loss statistics summed over tokens
     tokens: float = 0.0
+    counts: dict = field(default_factory=dict)  # the tokens of each statistic given with its own `within`
     losses: list = field(default_factory=list)  # one per optimizer step
     grad_norms: list = field(default_factory=list)
     value_losses: list = field(default_factory=list)
 
     def add(self, values: dict, mask: torch.Tensor) -> None:
-        """Sum each statistic [m, Tc] over the tokens of `mask` [m, Tc]."""
+        """Sum each statistic [m, Tc] over the tokens of `mask` [m, Tc]. A statistic given as a pair
+        (values, within) [m, Tc] each is summed and counted over the tokens of mask and within only,
+        so that its mean is a share of those tokens (e.g. the clipped part of the positive-advantage
+        tokens)."""
         for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float((v * mask).sum())
+            v, counted = (v[0], mask * v[1]) if isinstance(v, tuple) else (v, mask)  # [m, Tc] each
+            self.sums[k] = self.sums.get(k, 0.0) + float((v * counted).sum())
+            if counted is not mask:
+                self.counts[k] = self.counts.get(k, 0.0) + float(counted.sum())
         self.tokens += float(mask.sum())
 
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from helpers import make_rollout
 from rlkit.aggregators import SeqMeanTokenMean
 from rlkit.losses import CISPO, GSPO, SAPO, PPOClip, clipped_surrogate, kl_estimate
+from rlkit.metrics import update_metrics
 from rlkit.refusals import ConfigError
-from rlkit.types import LossInput
+from rlkit.types import LossInput, UpdateStats
 
 
 def grad_at(ratio: float, adv: float, eps_low=0.2, eps_high=0.2, dual_clip=None) -> float:
@@ -58,6 +59,17 @@ def test_clip_fractions_count_clipped_tokens():
     _, info = clipped_surrogate(logp, torch.zeros(1, 4), torch.tensor([[1.0, -1.0, 1.0, 1.0]]), 0.2, 0.2)
     assert info["clip_frac_high"].tolist() == [[True, False, False, False]]
     assert info["clip_frac_low"].tolist() == [[False, True, False, False]]
+    # over the update: 1 of 4 tokens clipped above, and 1 of the 3 that the upper bound can act on (A > 0);
+    # the lower bound clipped its one negative-advantage token. The last token is masked out.
+    stats = UpdateStats()
+    stats.add(info, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    out = update_metrics(stats)
+    assert out["train/clip_frac_high"] == pytest.approx(1 / 3)
+    assert out["train/clip_frac_high_of_pos"] == pytest.approx(1 / 2)
+    assert out["train/clip_frac_low_of_neg"] == 1.0
+    only_positive = UpdateStats()
+    only_positive.add(info, torch.tensor([[1.0, 0.0, 1.0, 1.0]]))
+    assert update_metrics(only_positive)["train/clip_frac_low_of_neg"] is None  # no token it can act on
 
 
 def test_kl_estimators_by_hand():
@@ -115,6 +127,8 @@ def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio():
     assert close(L, [[-1.05, -1.05, 0.0], [-s1, -s1, -s1]])
     assert close(g, [[0.0, 0.0, 0.0], [-s1 / 6] * 3])
     assert stats["clip_frac_high"].tolist() == [[1, 1, 0], [0, 0, 0]]
+    clipped, positive = stats["clip_frac_high_of_pos"]  # each sequence's value on its tokens
+    assert clipped.tolist() == [[1, 1, 0], [0, 0, 0]] and positive.tolist() == [[1, 1, 0], [1, 1, 1]]
     assert close(stats["ratio_dev"][1], [1 - s1] * 3)
 
 
