@@ -72,6 +72,16 @@ def test_graded_train_weights_draw_a_level_more_often_and_leave_the_held_out_que
     assert others == [r for r in plain.train if r["level"] != "sum_3"]
 
 
+def test_graded_n_eval_per_level_holds_out_more_of_one_level_and_leaves_the_others():
+    plain, more = Graded(), Graded(n_eval=[16, 16, 16, 64, 16, 16])
+    held = {name: [r for r in more.eval if r["level"] == name] for name in LEVELS}
+    assert {name: len(rows) for name, rows in held.items()} == {n: 64 if n == "sum_3" else 16 for n in LEVELS}
+    assert len({key(r) for r in held["sum_3"]}) == 64 and not {key(r) for r in more.eval} & {key(r) for r in more.train}
+    assert held["sum_3"][:16] == [r for r in plain.eval if r["level"] == "sum_3"]  # the plain 16 among them
+    assert [r for r in more.eval if r["level"] != "sum_3"] == [r for r in plain.eval if r["level"] != "sum_3"]
+    assert sum(r["level"] == "sum_3" for r in more.train) == 100
+
+
 def test_graded_answers_by_hand():
     row = {"answer": "85"}
     assert Graded.reward(None, row, "27 + 58 makes 85, so the answer is 85.") == 1.0
@@ -101,6 +111,8 @@ def test_graded_answers_by_hand():
         ({"levels": ["sum_1d", "sum_1d"]}, "names a level twice"),
         ({"n_eval": 36, "levels": ["product_1d"]}, "36 distinct questions"),
         ({"question": "What is it?"}, "must contain {expr}"),
+        ({"n_eval": [16, 16]}, "one per level of task.levels \\(6\\)"),
+        ({"n_eval": [16, 16, 16, 0, 16, 16]}, "task.n_eval an integer >= 1"),
         ({"train_weights": [1, 2]}, "one integer >= 1 per level of task.levels \\(6\\)"),
         ({"train_weights": [1, 1, 1, 0, 1, 1]}, "one integer >= 1 per level"),
     ],

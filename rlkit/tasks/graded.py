@@ -45,9 +45,9 @@ LEVELS = {
 
 
 def draw_levels(
-    levels: list[str], n_train: int, n_eval: int, seed: int, weights: list[int] | None = None
+    levels: list[str], n_train: int, n_eval: list[int], seed: int, weights: list[int] | None = None
 ) -> tuple[list, list]:
-    """Per level: `n_eval` held-out operand tuples, none the reordering of another ("3 + 4" and
+    """Per level: its `n_eval` held-out operand tuples, none the reordering of another ("3 + 4" and
     "4 + 3" are one), then `n_train` training rows (times the level's weight, 1 by default) from the
     other tuples, none a reordering of a held-out one, each tuple once before any repeats (a small
     level repeats, so that every level has its rows and a uniform sampler draws the levels in
@@ -55,7 +55,7 @@ def draw_levels(
     and `level`. The held-out rows do not depend on the weights.
     -> (train rows, eval rows)"""
     rng, train, held = random.Random(seed), [], []
-    for place, (name, weight) in enumerate(zip(levels, weights or [1] * len(levels)), 1):
+    for place, (name, weight, n_held) in enumerate(zip(levels, weights or [1] * len(levels), n_eval), 1):
         op, tuples = LEVELS[name]
         tuples = rng.sample(tuples, len(tuples))
         twins = {}  # canonical (sorted) tuple -> its tuples
@@ -63,11 +63,11 @@ def draw_levels(
             twins.setdefault(tuple(sorted(t)), []).append(t)
         keys = list(twins)
         require(
-            len(keys) > n_eval,
-            f"task level {name!r} has {len(keys)} distinct questions; task.n_eval={n_eval} leaves none",
+            len(keys) > n_held,
+            f"task level {name!r} has {len(keys)} distinct questions; task.n_eval={n_held} leaves none",
         )
-        held += [_row(twins[k][0], op, place, name) for k in keys[:n_eval]]
-        pool = [_row(t, op, place, name) for k in keys[n_eval:] for t in twins[k]]
+        held += [_row(twins[k][0], op, place, name) for k in keys[:n_held]]
+        pool = [_row(t, op, place, name) for k in keys[n_held:] for t in twins[k]]
         train += list(itertools.islice(itertools.cycle(pool), n_train * weight))
     return train, held
 
@@ -80,15 +80,16 @@ def _row(terms: tuple, op: str, difficulty: int, level: str) -> dict:
 class Graded(Task):
     """Arithmetic questions in `levels` (names of `LEVELS`; a row's `difficulty` is its level's
     place, from 1; how hard each level is for a model is measured, with `rlkit-calibrate`),
-    `n_eval` held-out questions and `n_train` training rows per level, no question in both splits
-    even reordered. `question` holds `{expr}`. `train_weights` (one integer >= 1 per level) gives a
-    level that many times `n_train` rows, so a uniform sampler draws it that much more often."""
+    `n_eval` held-out questions (one number, or one per level) and `n_train` training rows per level,
+    no question in both splits even reordered. `question` holds `{expr}`. `train_weights` (one
+    integer >= 1 per level) gives a level that many times `n_train` rows, so a uniform sampler draws it
+    that much more often."""
 
     def __init__(
         self,
         levels: list[str] = ("plus_one", "sum_1d", "product_1d", "sum_3", "sum_2d", "sum_2d_carry"),
         n_train: int = 100,
-        n_eval: int = 16,
+        n_eval: int | list[int] = 16,
         question: str = 'What is {expr}? Finish with the sentence "The answer is <number>."',
         seed: int = 1234,
         train_weights: list[int] | None = None,
@@ -97,13 +98,18 @@ class Graded(Task):
         require(not unknown and levels, f"task.levels must name levels of {sorted(LEVELS)}, got {list(levels)}")
         require(len(set(levels)) == len(levels), f"task.levels names a level twice: {list(levels)}")
         require("{expr}" in question, f"task.question must contain {{expr}}, got {question!r}")
-        require(n_train >= 1 and n_eval >= 1, "task.n_train and task.n_eval must be >= 1")
+        held = [n_eval] * len(levels) if isinstance(n_eval, int) else list(n_eval)
+        require(
+            n_train >= 1 and len(held) == len(levels) and all(isinstance(n, int) and n >= 1 for n in held),
+            f"task.n_train must be >= 1 and task.n_eval an integer >= 1 or one per level of task.levels "
+            f"({len(levels)}), got {n_train} and {n_eval}",
+        )
         weights = None if train_weights is None else list(train_weights)
         require(
             weights is None or (len(weights) == len(levels) and all(isinstance(w, int) and w >= 1 for w in weights)),
             f"task.train_weights needs one integer >= 1 per level of task.levels ({len(levels)}), got {weights}",
         )
-        train, held = draw_levels(list(levels), n_train, n_eval, seed, weights)
+        train, held = draw_levels(list(levels), n_train, held, seed, weights)
         self.train, self.eval = (
             Dataset.from_list([{**r, "prompt": question.format(expr=r["expr"])} for r in split])
             for split in (train, held)
