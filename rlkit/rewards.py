@@ -23,13 +23,19 @@ def overlong_penalty(lengths: torch.Tensor, budget: int, cache: int) -> torch.Te
 
 
 class Accuracy(RewardFunction):
-    """The task's own reward (for the testbed and the math task: 1 for a right final answer)."""
+    """The task's own reward (for the testbed and the math task: 1 for a right final answer), times
+    `by_difficulty[row's difficulty]` where that names the row's level (1 otherwise): under an
+    estimator without the std division (Dr. GRPO) that level's groups weigh that much more in the
+    update, a positive control for the difficulty-bias claim (GRPO's std division is scale-free, so
+    there the weights change nothing)."""
 
-    def __init__(self, weight: float = 1.0):
-        self.weight = weight
+    def __init__(self, weight: float = 1.0, by_difficulty: dict | None = None):
+        levels = {int(k): float(v) for k, v in (by_difficulty or {}).items()}
+        require(all(v > 0 for v in levels.values()), f"by_difficulty's weights must be > 0, got {by_difficulty}")
+        self.weight, self.by_difficulty = weight, levels
 
     def __call__(self, row: dict, completion: str, task) -> float:
-        return task.reward(row, completion)
+        return task.reward(row, completion) * self.by_difficulty.get(row.get("difficulty"), 1.0)
 
 
 class Format(RewardFunction):

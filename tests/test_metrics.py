@@ -123,6 +123,29 @@ def test_update_metrics_leave_out_what_no_token_or_step_measured():
     assert update_metrics(skipped) == {"train/value_loss": 0.5}
 
 
+def test_a_level_weighted_accuracy_scales_that_levels_dr_grpo_advantages_and_leaves_grpos():
+    """`rewards=level_weighted` scores a right answer of difficulty 4 as 4: a Dr. GRPO group of that
+    level gets 4 times the advantages of the same answers at another level, GRPO the same advantages
+    (its std division is scale-free); right and wrong are unchanged."""
+    from rlkit.advantages import GRPO
+    from rlkit.refusals import ConfigError
+    from rlkit.rewards import Accuracy, correct, score
+
+    cfg = make_cfg(["task=graded", "task.n_eval=1", "rewards=level_weighted"])
+    task, fns = build(cfg, "task"), {name: build(cfg, f"reward.functions.{name}") for name in cfg.reward.functions}
+    rows = [{"answer": "7", "difficulty": d} for d in (4, 4, 4, 2, 2, 2)]  # two groups of 3
+    texts = ["The answer is 7.", "no", "The answer is 8."] * 2
+    rewards, parts = score(task, fns, "sum", rows, texts, 3)
+    assert rewards.tolist() == [4.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert correct(fns, rewards, parts).tolist() == [True, False, False] * 2
+    r = make_rollout(rewards.tolist(), G=3, lengths=[2] * 6, T=2)
+    dr, grpo = DrGRPO()(r)[:, 0].view(2, 3), GRPO()(r)[:, 0].view(2, 3)  # [P, G]
+    assert torch.allclose(dr[0], 4 * dr[1]) and dr[1].tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+    assert torch.allclose(grpo[0], grpo[1], atol=1e-6)
+    with pytest.raises(ConfigError, match="weights must be > 0"):
+        Accuracy(by_difficulty={4: 0})
+
+
 def test_right_and_wrong_are_the_tasks_score_not_the_shaped_reward():
     """A length bonus pays a long wrong answer (reward 0.5 > 0); it still counts as wrong in
     train/acc, the length metrics, the all-correct groups and the weight split."""
