@@ -136,9 +136,12 @@ class ASPO(Regularised):
         **regularise,
     ):
         super().__init__(**regularise)
-        require(0 <= min(eps_low, eps_low_forking) and max(eps_low, eps_low_forking) < 1, "loss.eps_low* in [0, 1)")
-        require(min(eps_high, eps_high_forking) >= 0, "loss.eps_high* must be >= 0")
-        require(0 <= entropy_quantile <= 1 and dual_clip > 1, "loss.entropy_quantile in [0, 1], dual_clip > 1")
+        for name, eps in (("eps_low", eps_low), ("eps_low_forking", eps_low_forking)):
+            require(0 <= eps < 1, f"loss.{name} must be in [0, 1), got {eps}")
+        for name, eps in (("eps_high", eps_high), ("eps_high_forking", eps_high_forking)):
+            require(eps >= 0, f"loss.{name} must be >= 0, got {eps}")
+        require(0 <= entropy_quantile <= 1, f"loss.entropy_quantile must be in [0, 1], got {entropy_quantile}")
+        require(dual_clip > 1, f"loss.dual_clip must be > 1, got {dual_clip}")
         self.eps = (eps_low, eps_high, eps_low_forking, eps_high_forking)
         self.quantile, self.dual_clip = entropy_quantile, dual_clip
 

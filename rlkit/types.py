@@ -234,10 +234,11 @@ class UpdateStats:
         so that its mean is a share of those tokens (e.g. the clipped part of the positive-advantage
         tokens)."""
         for k, v in values.items():
-            v, counted = (v[0], mask * v[1]) if isinstance(v, tuple) else (v, mask)  # [m, Tc] each
-            self.sums[k] = self.sums.get(k, 0.0) + float((v * counted).sum())
-            if counted is not mask:
+            counted = mask  # [m, Tc]
+            if isinstance(v, tuple):
+                v, counted = v[0], mask * v[1]  # [m, Tc] each
                 self.counts[k] = self.counts.get(k, 0.0) + float(counted.sum())
+            self.sums[k] = self.sums.get(k, 0.0) + float((v * counted).sum())
         self.tokens += float(mask.sum())
 
 

@@ -59,8 +59,8 @@ def test_clip_fractions_count_clipped_tokens():
     _, info = clipped_surrogate(logp, torch.zeros(1, 4), torch.tensor([[1.0, -1.0, 1.0, 1.0]]), 0.2, 0.2)
     assert info["clip_frac_high"].tolist() == [[True, False, False, False]]
     assert info["clip_frac_low"].tolist() == [[False, True, False, False]]
-    # over the update: 1 of 4 tokens clipped above, and 1 of the 3 that the upper bound can act on (A > 0);
-    # the lower bound clipped its one negative-advantage token. The last token is masked out.
+    # with the last token masked out: 1 of the 3 tokens clipped above, 1 of the 2 the upper bound can act
+    # on (A > 0); the lower bound clipped its one negative-advantage token
     stats = UpdateStats()
     stats.add(info, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
     out = update_metrics(stats)
