@@ -3,6 +3,7 @@ and DAPO's overlong punishment, which any run can switch on."""
 
 from __future__ import annotations
 
+import math
 import re
 from contextlib import nullcontext
 from functools import partial
@@ -30,8 +31,14 @@ class Accuracy(RewardFunction):
     there the weights change nothing)."""
 
     def __init__(self, weight: float = 1.0, by_difficulty: dict | None = None):
-        levels = {int(k): float(v) for k, v in (by_difficulty or {}).items()}
-        require(all(v > 0 for v in levels.values()), f"by_difficulty's weights must be > 0, got {by_difficulty}")
+        try:
+            levels = {int(k): float(v) for k, v in (by_difficulty or {}).items()}
+        except (TypeError, ValueError):
+            levels = {0: math.nan}  # refused below
+        require(
+            all(0 < v < math.inf for v in levels.values()),
+            f"by_difficulty's weights must be > 0, got {by_difficulty} (difficulty level: finite weight)",
+        )
         self.weight, self.by_difficulty = weight, levels
 
     def __call__(self, row: dict, completion: str, task) -> float:

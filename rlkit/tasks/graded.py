@@ -98,9 +98,9 @@ class Graded(Task):
         require(not unknown and levels, f"task.levels must name levels of {sorted(LEVELS)}, got {list(levels)}")
         require(len(set(levels)) == len(levels), f"task.levels names a level twice: {list(levels)}")
         require("{expr}" in question, f"task.question must contain {{expr}}, got {question!r}")
-        held = [n_eval] * len(levels) if isinstance(n_eval, int) else list(n_eval)
+        per_level = [n_eval] * len(levels) if isinstance(n_eval, int) else list(n_eval)
         require(
-            n_train >= 1 and len(held) == len(levels) and all(isinstance(n, int) and n >= 1 for n in held),
+            n_train >= 1 and len(per_level) == len(levels) and all(isinstance(n, int) and n >= 1 for n in per_level),
             f"task.n_train must be >= 1 and task.n_eval an integer >= 1 or one per level of task.levels "
             f"({len(levels)}), got {n_train} and {n_eval}",
         )
@@ -109,7 +109,7 @@ class Graded(Task):
             weights is None or (len(weights) == len(levels) and all(isinstance(w, int) and w >= 1 for w in weights)),
             f"task.train_weights needs one integer >= 1 per level of task.levels ({len(levels)}), got {weights}",
         )
-        train, held = draw_levels(list(levels), n_train, held, seed, weights)
+        train, held = draw_levels(list(levels), n_train, per_level, seed, weights)
         self.train, self.eval = (
             Dataset.from_list([{**r, "prompt": question.format(expr=r["expr"])} for r in split])
             for split in (train, held)
