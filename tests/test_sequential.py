@@ -12,13 +12,16 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_study import REPO, records, script, write_spec
 
 from rlkit.analysis import stats
 from rlkit.analysis.decision import analyse, settled
-from rlkit.analysis.sequential import track
-from rlkit.analysis.study import declared, overrides
+from rlkit.analysis.sequential import first_decisive, track
+from rlkit.analysis.study import StudyError, declared, earliest_look, overrides
 from rlkit.analysis.study_cli import main as study_main
+from rlkit.analysis.verdict import seed_words
 
 SIM = script(REPO / "experiments" / "sequential_designs" / "simulate.py")  # the simulations docs/sweeps.md shows
 
@@ -113,11 +116,45 @@ def test_the_running_interval_only_narrows_and_covers_the_mean_without_spread():
     assert all(a[0] <= b[0] and b[1] <= a[1] for a, b in zip(widths, widths[1:]))
 
 
-def sequential_study(folder, cap=8, **changes):
+def test_no_look_before_the_first_decisive_one_can_reject_however_large_the_effect():
+    """E_n is at most (1 + n / phi)^((n - 2) / 2): at phi 1, 6^1.5 = 14.7 < 20 at 5 pairs and 7^2 = 49 at 6;
+    at phi 0.25, 17 at 4 pairs and 21^1.5 = 96 at 5. Differences of +10 with a little spread reach the
+    bound's p-value (1 / E) at those counts."""
+    assert first_decisive(0.05, 1.0) == 6 and first_decisive(0.05, 0.25) == 5
+    assert first_decisive(0.025, 1.0) == 6 and first_decisive(0.05, 4.0) == 8  # 9^3 = 729 >= 40; 12^3 = 1728 >= 20
+    assert first_decisive(0.05, 1.0, most=5) is None
+    huge = [10.0 + 0.01 * i for i in range(6)]
+    assert track(huge[:5], ALPHA, 1.0).p == pytest.approx(6**-1.5, rel=1e-3) and track(huge, ALPHA, 1.0).p < ALPHA
+    assert track(huge[:4], ALPHA, 0.25).p == pytest.approx(1 / 17, rel=1e-3) and track(huge[:5], ALPHA, 0.25).p < ALPHA
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.05, 8.0), st.floats(0.001, 0.2))
+def test_first_decisive_is_the_look_where_an_overwhelming_effect_first_rejects(phi, alpha):
+    """Differences of 1e6 with a spread of 1e-3 (t about 1e9) put E_n at its limit: the sequence's
+    p-value stays above alpha before `first_decisive` pairs and reaches it there."""
+    n = first_decisive(alpha, phi, 200)
+    d = [1e6 + 1e-3 * i for i in range(n)]
+    assert track(d, alpha, phi).p <= alpha * (1 + 1e-6)
+    assert n == 3 or track(d[:-1], alpha, phi).p > alpha
+
+
+def test_a_sequential_cap_that_cannot_reject_is_refused_and_the_protocol_says_when_one_can(tmp_path):
+    with pytest.raises(StudyError, match=r"seeds.cap=5: at sequential.prior=1 no look up to the cap can reject"):
+        sequential_study(tmp_path, cap=5)
+    with pytest.raises(StudyError, match=r"alpha 0.05 \(Holm across 2 treatment\(s\)\)"):  # 0.025: 6 pairs too
+        sequential_study(tmp_path, cap=5, arms={"b": ["algo=grpo"], "t": ["algo=dr_grpo"], "u": ["algo=rloo"]})
+    spec = sequential_study(tmp_path, cap=6)
+    assert earliest_look(spec) == 6
+    assert "prior 1: no look before 6 seeds can reject" in seed_words(spec, None)
+    assert earliest_look(sequential_study(tmp_path, cap=6, prior=0.25)) == 5
+
+
+def sequential_study(folder, cap=8, prior=1.0, **changes):
     return write_spec(
         folder,
         seeds={"pilot": 3, "cap": cap},
-        sequential={"prior": 1.0},
+        sequential={"prior": prior},
         primary={"metric": "eval/accuracy", "aggregate": "final", "direction": "higher", "smallest_effect": 0.05},
         **changes,
     )
@@ -170,14 +207,14 @@ def test_a_sequential_study_stops_at_the_first_settled_look_and_an_extension_con
 
     noisy = tmp_path / "experiments" / "noisy"
     noisy.mkdir(parents=True)
-    spec = sequential_study(noisy, cap=5)
-    write_records(noisy, spec, records([0.5] * 7, [0.5, 0.9, 0.2, 0.6, 0.4, 0.7, 0.3]))
+    spec = sequential_study(noisy, cap=6)
+    write_records(noisy, spec, records([0.5] * 8, [0.5, 0.9, 0.2, 0.6, 0.4, 0.7, 0.3, 0.8]))
     asked.clear()
-    assert study_main(["noisy"]) == 0 and asked == [3, 4, 5]
-    sequential_study(noisy, cap=7)  # the extension
+    assert study_main(["noisy"]) == 0 and asked == [3, 4, 5, 6]
+    sequential_study(noisy, cap=8)  # the extension
     asked.clear()
-    assert study_main(["noisy"]) == 0 and asked == [3, 4, 5, 6, 7]
-    sequential_study(noisy, cap=7, alpha=0.1)
+    assert study_main(["noisy"]) == 0 and asked == [3, 4, 5, 6, 7, 8]
+    sequential_study(noisy, cap=8, alpha=0.1)
     assert study_main(["noisy"]) == 2
     assert "alpha: 0.05 -> 0.1" in capsys.readouterr().err
 

@@ -41,6 +41,16 @@ def log_e(d: list[float], mu: float, phi: float = 1.0) -> float:
     return 0.5 * math.log(r) + 0.5 * (nu + 1) * (math.log1p(t2 / nu) - math.log1p(r * t2 / nu))
 
 
+def first_decisive(alpha: float, phi: float = 1.0, most: int = 10_000) -> int | None:
+    """The fewest pairs at which any differences can reject at `alpha`: E_n rises with |t| towards
+    r^(-nu/2) = (1 + n / phi)^((n - 2) / 2), so no look before this n rejects however large the effect
+    (at phi 1 and alpha 0.05: 6 pairs; at phi 0.25: 5). None if not within `most` pairs."""
+    for n in range(FIRST_LOOK, most + 1):
+        if 0.5 * (n - 2) * math.log1p(n / phi) >= -math.log(alpha):
+            return n
+    return None
+
+
 def radius(d: list[float], alpha: float, phi: float = 1.0) -> float:
     """Half-width of {mu : E_n(mu) < 1/alpha} around the mean of `d` (inf before the first look; 0
     without spread, as `log_e` has it)."""

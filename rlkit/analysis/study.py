@@ -16,6 +16,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlkit.analysis.runs import WITHDRAWN, parse_aggregate
+from rlkit.analysis.sequential import first_decisive
 
 
 @dataclass
@@ -225,7 +226,8 @@ def gate_problems(spec: StudySpec) -> list[str]:
 
 
 def seed_problems(spec: StudySpec) -> list[str]:
-    """The pilot within the cap (a sequential design's first look needs 3 pairs), a positive prior and budget."""
+    """The pilot within the cap (a sequential design's first look needs 3 pairs), a positive prior and budget,
+    and a cap that lets a sequential design reject at all (`first_decisive`)."""
     problems, first = [], 3 if spec.sequential else 2
     if spec.seeds.first < 0:
         problems.append(f"seeds.first must be >= 0, got {spec.seeds.first}")
@@ -235,7 +237,20 @@ def seed_problems(spec: StudySpec) -> list[str]:
         problems.append(f"budget must be > 0 run-hours, got {spec.budget}")
     if spec.sequential and not spec.sequential.prior > 0:
         problems.append(f"sequential.prior must be > 0, got {spec.sequential.prior}")
+    elif spec.sequential and 0 < spec.alpha < 1 and earliest_look(spec) is None:
+        problems.append(
+            f"seeds.cap={spec.seeds.cap}: at sequential.prior={spec.sequential.prior:g} no look up to the cap can "
+            f"reject at alpha {spec.alpha:g} (Holm across {len(treatments(spec))} treatment(s)) however large the "
+            "effect (the e-value of n pairs is at most (1 + n / prior)^((n - 2) / 2)); raise the cap or declare a "
+            "smaller prior"
+        )
     return problems
+
+
+def earliest_look(spec: StudySpec) -> int | None:
+    """The fewest seeds at which a sequential study can reject anything: Holm's first step tests the
+    smallest p against alpha / m (`first_decisive`); None if no look up to the cap can."""
+    return first_decisive(spec.alpha / max(1, len(treatments(spec))), spec.sequential.prior, spec.seeds.cap)
 
 
 def unsafe_names(spec: StudySpec) -> list[str]:

@@ -13,7 +13,7 @@ from rlkit.analysis.budget import compute_words, exhausted, seed_hours
 from rlkit.analysis.compare import plot
 from rlkit.analysis.decision import analyse, fmt_ci, seeds_to_decide, settled
 from rlkit.analysis.runs import aggregate_name
-from rlkit.analysis.study import START, learner, learning_arm, learning_margin, treatments
+from rlkit.analysis.study import START, earliest_look, learner, learning_arm, learning_margin, treatments
 from rlkit.analysis.values import Analysis, Bound, Plan
 
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
@@ -38,7 +38,7 @@ def _seed_words(spec, plan: Plan | None) -> str:
         return (
             f"sequential: a look after every completed seed, the first at {spec.seeds.pilot} seeds, the last at "
             f"the cap of {spec.seeds.cap}, every test anytime-valid (confidence sequences, "
-            f"prior {spec.sequential.prior:g}); "
+            f"prior {spec.sequential.prior:g}: no look before {earliest_look(spec)} seeds can reject); "
             "the study stops at the first look where a gate can no longer pass or every verdict is decided"
         )
     seeds = f"pilot {spec.seeds.pilot}, cap {spec.seeds.cap}"
