@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from rlkit.analysis.study import earliest_look
+
 
 def run_hours(head: dict, rows: list[dict]) -> float:
     """One recorded run's wall time in hours."""
@@ -41,10 +43,18 @@ def affordable(spec, records: list) -> int | None:
 
 def exhausted(spec, records: list) -> str | None:
     """Why no further seed starts: the runs recorded so far plus one more seed would pass the
-    declared budget; None while it affords one (or none is declared)."""
+    declared budget, or (a sequential design) the budget pays for fewer seeds than the first look
+    that can reject needs (`earliest_look`); None while it affords one (or none is declared)."""
     if spec.budget is None or not records:
         return None
     used, seed = spent(records), seed_hours(records)
+    first = earliest_look(spec) if spec.sequential else None
+    if first is not None and spec.budget < first * seed:
+        return (
+            f"the declared budget of {spec.budget:g} run-hours pays for about {math.floor(spec.budget / seed)} "
+            f"seeds at about {seed:.2f} a seed, fewer than the {first} from which a look can reject "
+            f"(prior {spec.sequential.prior:g}), so no further seed could decide anything"
+        )
     if used + seed <= spec.budget:
         return None
     return (
