@@ -28,8 +28,7 @@ BEGIN, END = "<!-- studies table: python experiments/studies.py -->", "<!-- end 
 STUDIES = [
     "rloo_vs_dr_grpo",
     "dynamic_sampling",
-    "dynamic_sampling_smollm2",
-    "dynamic_sampling_smollm2_dense",  # second declaration of dynamic_sampling_smollm2 (dense evaluation)
+    "dynamic_sampling_smollm2_dense",  # second declaration of dynamic_sampling_smollm2, linked from it
     "dynamic_sampling_smollm2_coupled",  # third: coupled arms, fresh seeds, sequential within a budget
     "difficulty_bias",
     "difficulty_bias_smollm2_controlled",  # second declaration of difficulty_bias_smollm2, with a positive control
@@ -40,6 +39,7 @@ STUDIES = [
     "length_bias_smollm2_powered",  # second declaration of length_bias_smollm2 (inconclusive, 3 seeds), linked from it
     "length_bias_smollm2_grown",  # third declaration: 96 tokens, 30 steps, the baseline's growth a premise
     "pass_at_k32_smollm2",  # second declaration of pass_at_k_smollm2 (its positive control failed), linked from it
+    "pass_at_k128_smollm2",  # third: k up to 128, each run's own evaluation seed, sequential within a budget
     "calculator_smollm2",
     "calculator_smollm2_no_tool",  # its "without the tool it does not" half as its own comparison
 ]
