@@ -21,7 +21,7 @@ from rlkit.analysis.decision import analyse, settled
 from rlkit.analysis.sequential import first_decisive, track
 from rlkit.analysis.study import StudyError, declared, earliest_look, overrides
 from rlkit.analysis.study_cli import main as study_main
-from rlkit.analysis.verdict import seed_words
+from rlkit.analysis.verdict import report, seed_words
 
 SIM = script(REPO / "experiments" / "sequential_designs" / "simulate.py")  # the simulations docs/sweeps.md shows
 
@@ -172,6 +172,21 @@ def test_a_sequential_verdict_uses_the_anytime_valid_tests(tmp_path):
     assert settled(spec, r) == "every tested gate passed and every verdict is decided"
     three = [(h, rows) for h, rows in recs if h["seed"] < 3]
     assert settled(spec, analyse(spec, three, None)) is None
+
+
+def test_an_open_look_of_a_sequential_study_gives_no_verdict_word_and_no_failed_gate(tmp_path):
+    """At 3 seeds every sequence is unbounded: the learning check cannot have passed, yet the study
+    goes on, so the README shows the look as open and the check as not passed yet (not "FAILED",
+    not "not tested"); at its cap the same records give the final words."""
+    learning = {"metric": "eval/accuracy", "aggregate": "gain:1", "margin": 0.01}
+    recs = records([0.5, 0.52, 0.49], [0.7, 0.71, 0.69])
+    text = report(sequential_study(tmp_path, learning=learning), "s", tmp_path, recs, None)
+    assert "### Verdict, t against b: open (look at 3 seeds)" in text
+    assert "needs its interval above 0.01: not passed yet" in text
+    assert "FAILED" not in text and "not tested" not in text
+    six = records([0.5, 0.52, 0.49, 0.51, 0.5, 0.48], [0.7, 0.71, 0.69, 0.72, 0.7, 0.69])
+    capped = report(sequential_study(tmp_path, cap=6, learning=learning), "s", tmp_path, six, None)
+    assert "open (look at" not in capped and "### Verdict, t against b: reproduced" in capped
 
 
 def write_records(folder, spec, recs):

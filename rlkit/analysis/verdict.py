@@ -145,15 +145,17 @@ def undecided_cost(spec, records: list, r: Analysis) -> str:
     return " At the observed spread a fixed-sample test would need " + "; ".join(words) + " to decide."
 
 
-def verdict_lines(spec, r: Analysis) -> list[str]:
-    """A verdict section per treatment: the word, the difference, the reason, the robust statistics."""
+def verdict_lines(spec, r: Analysis, looking: int | None = None) -> list[str]:
+    """A verdict section per treatment: the word, the difference, the reason, the robust statistics;
+    at a sequential study's open look (`looking`: its seeds so far) no word, since later looks decide."""
     lines = []
     for arm in r.treatments:
         v = r.verdicts[arm]
+        word, why = (v.text, f"; {v.why}") if looking is None else (f"open (look at {looking} seeds)", "")
         lines += [
-            f"### Verdict, {arm} against {spec.baseline}: {v.text}",
+            f"### Verdict, {arm} against {spec.baseline}: {word}",
             "",
-            f"{arm} - {spec.baseline}: {r.diffs[arm].describe()}; {v.why}.",
+            f"{arm} - {spec.baseline}: {r.diffs[arm].describe()}{why}.",
             "",
         ]
         rob = r.robust[arm]
@@ -224,7 +226,8 @@ def report(spec, name: str, results: Path, records: list, plan: Plan | None) -> 
         v = list(r.values.get(arm, {}).values())
         lines.append(f"| {arm} | {len(v)} | {fmt_ci(v)} |")
     lines.append("")
-    lines += stop_lines(spec, records, r) + verdict_lines(spec, r)
+    looking = len({h["seed"] for h, _ in records}) if spec.sequential and not ended(spec, records, r) else None
+    lines += stop_lines(spec, records, r) + verdict_lines(spec, r, looking)
     sections = [
         ("Starting policy", r.gates["start"].lines),
         ("Learning check", r.gates["learning"].lines),
@@ -233,6 +236,8 @@ def report(spec, name: str, results: Path, records: list, plan: Plan | None) -> 
         ("Engagement", r.engagement_lines),
     ]
     for title, shown in sections:
+        if looking is not None:  # a gate not passed yet is not failed while later looks can pass it
+            shown = [x.split(": FAILED")[0] + ": not passed yet" if ": FAILED" in x else x for x in shown]
         if shown or title in ("Positive control", "Premises", "Engagement"):
             lines += [f"### {title}", "", *[f"- {x}" for x in shown], ""]
     lines += secondary_lines(spec, r)
