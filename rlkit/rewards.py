@@ -34,9 +34,9 @@ class Accuracy(RewardFunction):
         try:
             levels = {int(k): float(v) for k, v in (by_difficulty or {}).items()}
         except (TypeError, ValueError):
-            levels = {0: math.nan}  # refused below
+            levels = None
         require(
-            all(0 < v < math.inf for v in levels.values()),
+            levels is not None and all(0 < v < math.inf for v in levels.values()),
             f"by_difficulty's weights must be > 0, got {by_difficulty} (difficulty level: finite weight)",
         )
         self.weight, self.by_difficulty = weight, levels

@@ -16,6 +16,9 @@ from rlkit.analysis.runs import aggregate_name
 from rlkit.analysis.study import START, earliest_look, learner, learning_arm, learning_margin, treatments
 from rlkit.analysis.values import Analysis, Bound, Plan
 
+# the gates a sequential study's later looks can still pass (`decision.hopeless` says when they no longer can);
+# a failed starting-policy or engagement check stays failed at every look
+OPEN_GATES = ("Learning check", "Positive control", "Premises")
 MARKER = "<!-- rlkit-study: everything below this line is written by rlkit-study; edits here are replaced -->"
 
 
@@ -236,7 +239,7 @@ def report(spec, name: str, results: Path, records: list, plan: Plan | None) -> 
         ("Engagement", r.engagement_lines),
     ]
     for title, shown in sections:
-        if looking is not None:  # a gate not passed yet is not failed while later looks can pass it
+        if looking is not None and title in OPEN_GATES:  # not failed while a later look can still pass it
             shown = [x.split(": FAILED")[0] + ": not passed yet" if ": FAILED" in x else x for x in shown]
         if shown or title in ("Positive control", "Premises", "Engagement"):
             lines += [f"### {title}", "", *[f"- {x}" for x in shown], ""]
