@@ -196,6 +196,7 @@ def run_checks(cfg: DictConfig) -> list[tuple[bool, str]]:
             f"reward.shuffle must be none, step or group (true = step), got {rw.shuffle!r}",
         ),
         (not bad_k, f"eval.pass_k needs integers in [1, eval.samples={ev.samples}], got {bad_k}"),
+        (ev.samples or not ev.sample_levels, f"eval.sample_levels={list(ev.sample_levels)} needs eval.samples > 0"),
         *((cfg[g] is not None, f"no option chosen for group '{g}'") for g in GROUPS),
     ]
 

@@ -114,29 +114,31 @@ def evaluate(
     top_p: float = 1.0,
     seed: int = 0,
     pass_k=(),
+    sample_levels=(),
     policy=None,
     environment=None,
     coupled: bool = False,
     seconds: dict | None = None,
 ) -> dict:
     """Greedy accuracy, the share of answers that hold the right answer anywhere (`eval/present`,
-    the task's lenient score) and mean completion length (tokens) of correct and incorrect answers;
-    with `samples` = n > 0 also `eval/mean@n`, the accuracy of n completions per prompt sampled at
-    the rollout's temperature, and `eval/pass@k` for each k of `pass_k`. The sampling draws from its
-    own generator state (`seed`, the same at every evaluation), so it neither moves training's
-    random stream nor differs between runs. Each accuracy is also given per difficulty level
-    (`_d<k>`) and over the hardest third of levels (`_hard`).
-    With the `policy`, also its entropy on a fixed probe set (`probe_entropy`); with a multi-turn
-    `environment`, each answer is an episode and the environment's metrics of the greedy episodes
-    come too (`eval/tool_use`, ...). `coupled`: each sample's uniforms keyed by the seed, its
-    prompt and its index among the prompt's n (`rlkit.draws`), whatever the batch. `seconds`: a
-    dict that receives the seconds of each part (`eval_greedy`, `eval_probe`, `eval_sampled`; the
-    probe is part of the greedy pass where the engine computes it on the same prefill, `forced`)."""
+        the task's lenient score) and mean completion length (tokens) of correct and incorrect answers;
+        with `samples` = n > 0 also `eval/mean@n`, the accuracy of n completions per prompt sampled at
+        the rollout's temperature, and `eval/pass@k` for each k of `pass_k` (`sample_levels`: for those
+    difficulty levels' prompts only, logged per level). The sampling draws from its
+        own generator state (`seed`, the same at every evaluation), so it neither moves training's
+        random stream nor differs between runs. Each accuracy is also given per difficulty level
+        (`_d<k>`) and over the hardest third of levels (`_hard`).
+        With the `policy`, also its entropy on a fixed probe set (`probe_entropy`); with a multi-turn
+        `environment`, each answer is an episode and the environment's metrics of the greedy episodes
+        come too (`eval/tool_use`, ...). `coupled`: each sample's uniforms keyed by the seed, its
+        prompt and its index among the prompt's n (`rlkit.draws`), whatever the batch. `seconds`: a
+        dict that receives the seconds of each part (`eval_greedy`, `eval_probe`, `eval_sampled`; the
+        probe is part of the greedy pass where the engine computes it on the same prefill, `forced`)."""
     rows_all, clock = task.eval.to_list(), Clock(seconds)
     out = greedy_and_probe(engine, tokenizer, task, rows_all, batch_size, max_new_tokens, policy, environment, clock)
     if samples:
         how = Sampling(batch_size, max_new_tokens, temperature, top_p, seed, environment, coupled)
-        out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, how, pass_k))
+        out.update(sampled_accuracy(engine, tokenizer, task, rows_all, samples, how, pass_k, sample_levels))
         clock.lap("eval_sampled")
     return out
 
@@ -213,19 +215,21 @@ class Sampling(NamedTuple):
     coupled: bool = False
 
 
-def sampled_accuracy(engine, tokenizer, task, rows: list[dict], n: int, how: Sampling, pass_k=()) -> dict:
+def sampled_accuracy(engine, tokenizer, task, rows: list[dict], n: int, how: Sampling, pass_k=(), levels=()) -> dict:
     """`eval/mean@n` and `eval/pass@k` for each k of `pass_k` (per difficulty level and over the
     hardest third too), from n completions per prompt sampled as `how` says. mean@n is the unbiased
-    pass@1."""
+    pass@1. `levels`: only the rows of those difficulty levels are sampled, and only their per-level
+    values are given (an overall mean of some levels would read as one of every level)."""
+    if levels:
+        rows = [r for r in rows if float(r["difficulty"]) in levels]
     hits = sampled_answers(engine, tokenizer, task, rows, n, how).correct.float().view(len(rows), n)  # [E, n]
     out = {}
     for name, per_prompt in (
         (f"eval/mean@{n}", hits.mean(-1)),
         *((f"eval/pass@{k}", pass_at_k(n, hits.sum(-1), k)) for k in pass_k),
     ):
-        out.update(
-            {name: mean(per_prompt), **by_difficulty(rows, per_prompt, name), **hardest_third(rows, per_prompt, name)}
-        )
+        whole = {} if levels else {name: mean(per_prompt), **hardest_third(rows, per_prompt, name)}
+        out.update({**whole, **by_difficulty(rows, per_prompt, name)})
     return out
 
 

@@ -1,6 +1,7 @@
 """Checks of a run's inputs before it trains: the kernels pinned when `portable=true` asks for it,
-every prompt encodable by the tokenizer, prompt plus budget within the model's context, and the
-rollout within the device's free memory."""
+the sampled evaluation's levels present in the held-out split, every prompt encodable by the
+tokenizer, prompt plus budget within the model's context, and the rollout within the device's
+free memory."""
 
 from __future__ import annotations
 
@@ -37,6 +38,19 @@ def check_encodable(tokenizer, splits: dict) -> None:
             lost = sorted(set(text) - set(back) - set(" \t\n"))
             if lost:
                 raise ConfigError(f"task.{name} row {i} ({text!r}) has characters the tokenizer cannot encode: {lost}")
+
+
+def check_sample_levels(split, levels) -> None:
+    """Each level of `eval.sample_levels` must be a difficulty that the held-out split has."""
+    if not levels:
+        return
+    have = sorted({float(d) for d in split["difficulty"]}) if "difficulty" in split.column_names else []
+    missing = [x for x in levels if float(x) not in have]
+    if missing:
+        raise ConfigError(
+            f"eval.sample_levels={list(levels)}: the held-out split has no prompt of difficulty {missing} "
+            f"(its levels: {', '.join(f'{d:g}' for d in have) or 'none, the task has no difficulty column'})"
+        )
 
 
 def check_context(tokenizer, model, splits: dict, max_new_tokens: int, key: str) -> None:

@@ -173,6 +173,11 @@ class EvalConfig:
     pass_k: List[int] = key(
         help="k of eval/pass@k (unbiased, from those samples), each in [1, eval.samples]", factory=list
     )
+    sample_levels: List[float] = key(
+        help="difficulty levels whose held-out prompts those samples are drawn for (empty: every prompt); with "
+        "levels named, only their per-level metrics are logged (eval/mean@k_d<level>, ...)",
+        factory=list,
+    )
 
 
 @dataclass

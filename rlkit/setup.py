@@ -40,7 +40,7 @@ from rlkit.environments import Checked
 from rlkit.evaluate import timed_eval
 from rlkit.guards import NonFiniteGuard
 from rlkit.hardware import hardware, keep_freed_memory
-from rlkit.preflight import check_context, check_encodable, check_rollout_memory
+from rlkit.preflight import check_context, check_encodable, check_rollout_memory, check_sample_levels
 from rlkit.refusals import check, require
 from rlkit.sinks import NullLogger
 from rlkit.state import Parts, Progress, Run, Runtime, Settings
@@ -145,6 +145,7 @@ def build_task_and_model(cfg: DictConfig, stop, device: torch.device, environmen
     `preamble` messages. Returns (task, model, policy, tokenizer, warm-start info)."""
     task = build(cfg, "task", Task)
     task.check_splits()
+    check_sample_levels(task.eval, cfg.eval.sample_levels)
     need = getattr(task, "requires_environment", None)  # a task scored by its episodes (task=verifiers)
     require(
         need is None or isinstance(getattr(environment, "inner", environment), need),

@@ -129,6 +129,7 @@ class Settings:
                 top_p=rollout.top_p,
                 seed=eval_seed(cfg),
                 pass_k=tuple(held_out.pass_k),
+                sample_levels=tuple(held_out.sample_levels),
                 coupled=rollout.coupled,
             ),
             old_logprobs=reused or loss.kl_in_reward or loss.selects_tokens or stats or not parts.engine.exact_logprobs,

@@ -189,3 +189,30 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_calibration
     blocker.write_text("")
     assert calibrate([*FAST, "--out", str(blocker / "cal.json")]) == 2
     assert "--out: directory" in capsys.readouterr().err and time.time() - t0 < 20  # no model was built
+
+
+def test_sampled_evaluation_of_some_levels_draws_their_samples_and_logs_them_per_level(fast_cfg, tmp_path):
+    """`eval.sample_levels=[2]` samples the level-2 prompts only: with coupled draws (each sample's
+    uniforms keyed by its prompt and index, whatever the batch) their mean@4 and pass@k equal those
+    of the evaluation that samples every prompt, and no overall or other level's sampled value is
+    logged; greedy metrics stay whole."""
+    sizes = ["task.max_terms=3", "task.n_eval=12", "eval.samples=4", "eval.pass_k=[1,4]", "rollout.coupled=true"]
+    first = {}
+    for name, extra in (("all", []), ("d2", ["eval.sample_levels=[2]"])):
+        run(fast_cfg(*sizes, *extra, "steps=1"), str(tmp_path / name))
+        first[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+    every, some = first["all"], first["d2"]
+    sampled = {k for k in every if k.startswith(("eval/mean@", "eval/pass@"))}
+    assert {k for k in some if k.startswith(("eval/mean@", "eval/pass@"))} == {k for k in sampled if k.endswith("_d2")}
+    assert {"eval/mean@4", "eval/mean@4_d3", "eval/pass@4_hard"} <= sampled  # what the restricted run leaves out
+    for k in ("eval/mean@4_d2", "eval/pass@1_d2", "eval/pass@4_d2"):
+        assert some[k] == pytest.approx(every[k])
+    assert some["eval/accuracy"] == every["eval/accuracy"] and some["eval/acc_d3"] == every["eval/acc_d3"]
+
+
+def test_sample_levels_refuse_a_level_the_held_out_split_lacks_and_need_samples(fast_cfg, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("needs eval.samples > 0")):
+        check_values(make_cfg(["eval.sample_levels=[2]"]))
+    with pytest.raises(ConfigError, match=r"no prompt of difficulty \[9\.0\] \(its levels: 2\)"):
+        run(fast_cfg("eval.samples=2", "eval.sample_levels=[2,9]", "steps=1"), str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
