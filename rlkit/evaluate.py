@@ -121,19 +121,19 @@ def evaluate(
     seconds: dict | None = None,
 ) -> dict:
     """Greedy accuracy, the share of answers that hold the right answer anywhere (`eval/present`,
-        the task's lenient score) and mean completion length (tokens) of correct and incorrect answers;
-        with `samples` = n > 0 also `eval/mean@n`, the accuracy of n completions per prompt sampled at
-        the rollout's temperature, and `eval/pass@k` for each k of `pass_k` (`sample_levels`: for those
-    difficulty levels' prompts only, logged per level). The sampling draws from its
-        own generator state (`seed`, the same at every evaluation), so it neither moves training's
-        random stream nor differs between runs. Each accuracy is also given per difficulty level
-        (`_d<k>`) and over the hardest third of levels (`_hard`).
-        With the `policy`, also its entropy on a fixed probe set (`probe_entropy`); with a multi-turn
-        `environment`, each answer is an episode and the environment's metrics of the greedy episodes
-        come too (`eval/tool_use`, ...). `coupled`: each sample's uniforms keyed by the seed, its
-        prompt and its index among the prompt's n (`rlkit.draws`), whatever the batch. `seconds`: a
-        dict that receives the seconds of each part (`eval_greedy`, `eval_probe`, `eval_sampled`; the
-        probe is part of the greedy pass where the engine computes it on the same prefill, `forced`)."""
+    the task's lenient score) and mean completion length (tokens) of correct and incorrect answers;
+    with `samples` = n > 0 also `eval/mean@n`, the accuracy of n completions per prompt sampled at
+    the rollout's temperature, and `eval/pass@k` for each k of `pass_k` (`sample_levels`: for those
+    difficulty levels' prompts only, logged per level). The sampling draws from its own generator
+    state (`seed`, the same at every evaluation), so it neither moves training's random stream nor
+    differs between runs. Each accuracy is also given per difficulty level (`_d<k>`) and over the
+    hardest third of levels (`_hard`).
+    With the `policy`, also its entropy on a fixed probe set (`probe_entropy`); with a multi-turn
+    `environment`, each answer is an episode and the environment's metrics of the greedy episodes
+    come too (`eval/tool_use`, ...). `coupled`: each sample's uniforms keyed by the seed, its
+    prompt and its index among the prompt's n (`rlkit.draws`), whatever the batch. `seconds`: a
+    dict that receives the seconds of each part (`eval_greedy`, `eval_probe`, `eval_sampled`; the
+    probe is part of the greedy pass where the engine computes it on the same prefill, `forced`)."""
     rows_all, clock = task.eval.to_list(), Clock(seconds)
     out = greedy_and_probe(engine, tokenizer, task, rows_all, batch_size, max_new_tokens, policy, environment, clock)
     if samples:
