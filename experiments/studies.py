@@ -32,6 +32,7 @@ STUDIES = [
     "dynamic_sampling_smollm2_coupled",  # third: coupled arms, fresh seeds, sequential within a budget
     "difficulty_bias",
     "difficulty_bias_smollm2_controlled",  # second declaration of difficulty_bias_smollm2, with a positive control
+    "difficulty_bias_smollm2_sampled",  # third: 64 questions of the level, a sampled mean@8, sequential
     "off_policy",
     "clip_higher",
     "clip_higher_smollm2_binding",  # second declaration of clip_higher_smollm2 (its premise failed), linked from it
