@@ -125,9 +125,9 @@ def evaluate(
     with `samples` = n > 0 also `eval/mean@n`, the accuracy of n completions per prompt sampled at
     the rollout's temperature, and `eval/pass@k` for each k of `pass_k` (`sample_levels`: for those
     difficulty levels' prompts only, logged per level). The sampling draws from its own generator
-    state (`seed`, the same at every evaluation), so it neither moves training's random stream nor
-    differs between runs. Each accuracy is also given per difficulty level (`_d<k>`) and over the
-    hardest third of levels (`_hard`).
+    state (`seed`, the same at every evaluation), so it does not move training's random stream, and
+    runs draw alike unless `eval.seed_per_run` adds the run's seed to it. Each accuracy is also
+    given per difficulty level (`_d<k>`) and over the hardest third of levels (`_hard`).
     With the `policy`, also its entropy on a fixed probe set (`probe_entropy`); with a multi-turn
     `environment`, each answer is an episode and the environment's metrics of the greedy episodes
     come too (`eval/tool_use`, ...). `coupled`: each sample's uniforms keyed by the seed, its
